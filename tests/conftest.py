@@ -1,0 +1,23 @@
+"""Shared fixtures. Tests run on CPU in fp32 with 2 threads (the CI machine's cores)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # lets tests import `tests.hf_oracle`
+    sys.path.insert(0, str(ROOT))
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded default model, converted once into the cache (GGUF -> HF dir)."""
+    from posttrain.models.hub import DEFAULT_MODEL, resolve_model_path
+
+    return resolve_model_path(DEFAULT_MODEL)
