@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("posttrain.commands.chat", "interactive chat with a model, streaming tokens"),
     "info": ("posttrain.commands.info", "architecture, parameter count, dtype and memory of a model"),
     "convert": ("posttrain.commands.convert", "convert a model (GGUF, HF dir, known name) to an HF directory"),
+    "lora-merge": ("posttrain.commands.lora_merge", "merge a PEFT LoRA adapter into its base model and save an HF directory"),
 }
 
 

@@ -1,0 +1,37 @@
+"""Sampling flags shared by `generate` and `chat`, turned into SamplingParams."""
+
+from __future__ import annotations
+
+import argparse
+
+from posttrain.engine.sampling import SamplingParams
+from posttrain.errors import PosttrainError
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature: float) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=default_temperature, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="0 = off")
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: model's)")
+
+
+def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
+    fields = dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, stop=args.stop, seed=args.seed,
+    )
+    fields.update(overrides)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise PosttrainError(str(exc)) from None
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {"max_model_len": args.max_model_len} if args.max_model_len else {}
