@@ -32,9 +32,9 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
-from typing import Any, Literal, NoReturn, Sequence, TypeVar, Union
+from typing import Any, Literal, NoReturn, TypeVar, Union
 
 import yaml
 
@@ -290,7 +290,8 @@ class _Builder:
             section.values[name] = copy.deepcopy(value)
         elif value is None:
             if not optional:
-                source.fail(key, f"is a required {inner.__name__} section and cannot be null; use {{}} for defaults")
+                problem = f"is a required {inner.__name__} section and cannot be null; use {{}} for defaults"
+                source.fail(key, problem)
             section.values[name] = None
         elif isinstance(value, Mapping):
             self.apply_mapping(self._child(section, name), value, key, source)
@@ -386,7 +387,8 @@ class _Builder:
             item_types = list(args)
         else:
             item_types = [args[0] if args else Any] * len(value)
-        return origin(self.coerce(v, t, f"{key}[{i}]", source) for i, (v, t) in enumerate(zip(value, item_types)))
+        items = (self.coerce(v, t, f"{key}[{i}]", source) for i, (v, t) in enumerate(zip(value, item_types)))
+        return origin(items)
 
     def build(self, section: _Section, key: str, where: str) -> Any:
         kwargs = {}
@@ -500,7 +502,10 @@ def _float_from_text(value: Any) -> float | None:
 @functools.cache
 def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     """Settable fields of a config dataclass with their resolved annotations (string ones too)."""
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except NameError as e:  # a string annotation naming a class local to a function
+        raise TypeError(f"cannot resolve the annotations of config class {cls.__name__}: {e}") from None
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
 
 

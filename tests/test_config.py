@@ -299,7 +299,8 @@ def test_wrong_type_in_yaml_names_line(tmp_path):
 
 def test_wrong_list_item_in_yaml_names_its_own_line(tmp_path):
     path = write(tmp_path, "data:\n  stop:\n    - a\n    - 5\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:4: data.stop\[1\]: expected str, got 5 \(int\); quote it"):
+    expected = rf"^{path}:4: data.stop\[1\]: expected str, got 5 \(int\); quote it"
+    with pytest.raises(ConfigError, match=expected):
         load_config(TrainConfig, path)
 
 
@@ -333,7 +334,8 @@ def test_tab_indentation_is_a_syntax_error_with_line(tmp_path):
 @pytest.mark.parametrize("text, kind", [("- a\n- b\n", "a list"), ("just text\n", "the value 'just text'")])
 def test_top_level_must_be_mapping(tmp_path, text, kind):
     path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match=rf"^{path}:1: top level must be a mapping of config keys, got {kind}"):
+    expected = rf"^{path}:1: top level must be a mapping of config keys, got {kind}"
+    with pytest.raises(ConfigError, match=expected):
         load_config(TrainConfig, path)
 
 
@@ -420,7 +422,8 @@ def test_parse_cli_config_all_spellings(tmp_path):
     path = write(tmp_path, "seed: 5\noptim:\n  lr: 0.1\n")
     cfg = parse_cli_config(
         TrainConfig,
-        [str(path), "data.path=x.jsonl", "--optim.weight_decay", "-1e-5", "--max_steps=9", "data.max_len=16", "--packing"],
+        [str(path), "data.path=x.jsonl", "--optim.weight_decay", "-1e-5", "--max_steps=9"]
+        + ["data.max_len=16", "--packing"],
     )
     assert cfg.seed == 5
     assert cfg.data.path == Path("x.jsonl")
@@ -443,3 +446,20 @@ def test_parse_cli_config_errors():
         parse_cli_config(TrainConfig, ["seed=1", "oops"])
     with pytest.raises(ConfigError, match=r"'--': expected --key value"):
         parse_cli_config(TrainConfig, ["--"])
+
+
+@dataclass
+class UnionConfig:
+    device: int | str = "auto"
+    limit: float | None = 1.0
+
+
+def test_union_fields_take_the_first_type_that_fits(tmp_path):
+    assert load_config(UnionConfig, overrides=["device=3"]).device == 3
+    assert load_config(UnionConfig, overrides=["device=cuda:1"]).device == "cuda:1"
+    assert load_config(UnionConfig, overrides=["limit=1e-3"]).limit == 1e-3
+    assert load_config(UnionConfig, overrides=["limit=~"]).limit is None
+    # An override's text always fits a str; a YAML list does not.
+    assert load_config(UnionConfig, overrides=["device=[1]"]).device == "[1]"
+    with pytest.raises(ConfigError, match=r":1: device: expected int \| str, got \[1\] \(list\)"):
+        load_config(UnionConfig, write(tmp_path, "device: [1]\n"))

@@ -3,9 +3,10 @@
 A GGUF carries no config.json: its metadata (under llama.cpp's key names, prefixed by the
 architecture, e.g. `llama.block_count`) is the config. Its tensors use llama.cpp names
 (`blk.0.attn_q.weight`), may be block-quantized (Q4_1, Q8_0, K-quants, ...), and for the llama
-architecture the q/k rows are stored in a different order than HF's (see `_unpermute_rope_rows`).
+architecture the q/k rows are stored in a different order than HF's (see `_unpermute_rope_rows`)
+and Llama 3 rope scaling is a tensor of per-frequency divisors (see `_llama3_rope_scaling`).
 
-`read_gguf` undoes all three, so the rest of posttrain only ever sees HF names and HF layouts.
+`read_gguf` undoes all of these, so the rest of posttrain only ever sees HF names and HF layouts.
 Nothing here unpickles: the `gguf` package reads the file as a numpy memmap.
 """
 
@@ -96,6 +97,13 @@ COMMON_LAYER_TENSORS = (
 # GGUF tensor name stem -> the config field giving the head count its rows were permuted with.
 QK_PERMUTE_HEADS = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
 
+# llama.cpp's Llama 3.x rope scaling: one divisor per rotary frequency instead of metadata keys.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# The parameters Meta published for Llama 3.1 / 3.2 (only `factor` differs between them); llama.cpp's
+# converter also assumes this original context when a config does not say.
+LLAMA3_ORIGINAL_CONTEXT = 8192
+LLAMA3_FREQ_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -109,12 +117,15 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     metadata = _read_metadata(reader)
     tokenizer_meta = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
     tensor_names = [tensor.name for tensor in reader.tensors]
-    config = gguf_config(metadata, tensor_names, path)
+    rope_freqs = [_dequantize(tensor, path) for tensor in reader.tensors if tensor.name == ROPE_FREQS_TENSOR]
+    config = gguf_config(metadata, tensor_names, path, rope_freqs[0] if rope_freqs else None)
     spec = ARCHITECTURES[metadata["general.architecture"]]
     _check_tensor_set(tensor_names, spec, config["num_hidden_layers"], path)
 
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue  # folded into config["rope_scaling"]
         hf_name, dims = _hf_name(tensor.name, path)
         weights = _dequantize(tensor, path)  # HF orientation already: numpy shape is GGUF's reversed
         stem = tensor.name.split(".")[-2]
@@ -130,8 +141,22 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(config=config, tensors=tensors, tokenizer_meta=tokenizer_meta)
 
 
-def gguf_config(metadata: dict[str, Any], tensor_names: list[str], path: Path | str = "<gguf>") -> dict[str, Any]:
-    """The HF config.json dict for a GGUF file's metadata (keys as llama.cpp writes them)."""
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Only the metadata (config and tokenizer keys), without touching the tensors: what a tokenizer needs."""
+    return _read_metadata(_open_reader(Path(path)))
+
+
+def gguf_config(
+    metadata: dict[str, Any],
+    tensor_names: list[str],
+    path: Path | str = "<gguf>",
+    rope_freqs: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """The HF config.json dict for a GGUF file's metadata (keys as llama.cpp writes them).
+
+    `rope_freqs` is the `rope_freqs.weight` tensor (head_dim/2,) when the file has one: llama.cpp's
+    form of Llama 3.x rope scaling, turned back into HF's `rope_scaling` here.
+    """
     arch = _require(metadata, "general.architecture", path)
     if arch not in ARCHITECTURES:
         raise CheckpointError(
@@ -150,30 +175,40 @@ def gguf_config(metadata: dict[str, Any], tensor_names: list[str], path: Path | 
             raise CheckpointError(f"{path}: missing required metadata key {full}")
         return default
 
-    hidden = key("embedding_length")
-    num_heads = key("attention.head_count")
-    head_dim = key("attention.key_length", hidden // num_heads, required=False)
+    def size(name: str, default: Any = None, required: bool = True) -> int:
+        value = key(name, default, required)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{path}: {arch}.{name} = {value!r} is not a positive integer")
+        return value
+
+    hidden = size("embedding_length")
+    num_heads = size("attention.head_count")
+    num_kv_heads = size("attention.head_count_kv", num_heads, required=False)
+    if num_heads % num_kv_heads:
+        raise CheckpointError(f"{path}: {arch}.attention.head_count ({num_heads}) is not a multiple of "
+                              f"{arch}.attention.head_count_kv ({num_kv_heads})")
+    head_dim = size("attention.key_length", hidden // num_heads, required=False)
     rope_dims = key("rope.dimension_count", head_dim, required=False)
     if rope_dims != head_dim:
         raise CheckpointError(f"{path}: partial rotary ({arch}.rope.dimension_count={rope_dims}, "
                               f"head_dim={head_dim}) is not supported")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab_size = key("vocab_size", len(tokens) if tokens is not None else None, required=False)
-    if vocab_size is None:
+    if f"{arch}.vocab_size" not in metadata and tokens is None:
         raise CheckpointError(f"{path}: missing metadata key {arch}.vocab_size (and no tokenizer.ggml.tokens)")
+    vocab_size = size("vocab_size", len(tokens or ()), required=False)
     config: dict[str, Any] = {
         "architectures": [spec.hf_architecture],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        "intermediate_size": size("feed_forward_length"),
+        "num_hidden_layers": size("block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": key("attention.head_count_kv", num_heads, required=False),
+        "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_theta": key("rope.freq_base", 10000.0, required=False),
-        "max_position_embeddings": key("context_length"),
+        "max_position_embeddings": size("context_length"),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": any(name.endswith("attn_q.bias") for name in tensor_names),
@@ -184,11 +219,11 @@ def gguf_config(metadata: dict[str, Any], tensor_names: list[str], path: Path | 
         "torch_dtype": "float32",
     }
     rope_scaling = _rope_scaling(metadata, arch, path)
+    if rope_freqs is not None:
+        original_context = metadata.get(f"{arch}.rope.scaling.original_context_length", LLAMA3_ORIGINAL_CONTEXT)
+        rope_scaling = _llama3_rope_scaling(rope_freqs, config["rope_theta"], head_dim, original_context, path)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    if "rope_freqs.weight" in tensor_names:
-        # llama3-style rope: llama.cpp bakes the scaling into per-frequency factors, not metadata.
-        raise CheckpointError(f"{path}: tensor rope_freqs.weight (llama3-style rope scaling) is not supported yet")
     return config
 
 
@@ -214,6 +249,45 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, path: Path | str) -> dict
         return scaling
     raise CheckpointError(f"{path}: unsupported rope scaling type {scaling_type!r} in {prefix}type "
                           "(supported: none, linear, yarn)")
+
+
+def _llama3_rope_scaling(
+    rope_freqs: np.ndarray, theta: float, head_dim: int, original_context: int, path: Path | str
+) -> dict[str, Any] | None:
+    """HF's llama3 `rope_scaling` from llama.cpp's per-frequency divisors (head_dim/2,).
+
+    The divisors follow HF's curve: 1 for short wavelengths, `factor` for long ones, and between
+    them 1 / ((1 - s) / factor + s) with s linear in 1/wavelength. `factor` is the largest divisor.
+    We try Meta's published low/high factors, then a line fitted through the ramp, and keep the
+    first that reproduces every divisor (a file that fits neither is refused, not guessed).
+    """
+    divisors = rope_freqs.astype(np.float64).reshape(-1)
+    if divisors.shape != (head_dim // 2,):
+        raise CheckpointError(f"{path}: {ROPE_FREQS_TENSOR} has {divisors.size} values, expected {head_dim // 2}")
+    factor = float(str(np.float32(divisors.max())))
+    if np.allclose(divisors, 1.0):
+        return None
+    inv_wavelength = theta ** (-np.arange(0, head_dim, 2) / head_dim) / (2 * np.pi)  # (head_dim/2,)
+    candidates = [dict(LLAMA3_FREQ_FACTORS)]
+    on_ramp = (divisors > 1.0 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if on_ramp.sum() >= 2:
+        # s = (original_context * inv_wavelength - low) / (high - low): a line in inv_wavelength
+        smooth = (1 / divisors[on_ramp] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv_wavelength[on_ramp], smooth, 1)
+        span = original_context / slope
+        low = -intercept * span
+        candidates.append({"low_freq_factor": float(f"{low:.6g}"), "high_freq_factor": float(f"{low + span:.6g}")})
+    for candidate in candidates:
+        low, high = candidate["low_freq_factor"], candidate["high_freq_factor"]
+        smooth = (original_context * inv_wavelength - low) / (high - low)
+        expected = np.where(
+            inv_wavelength > high / original_context, 1.0,  # wavelength < original_context / high
+            np.where(inv_wavelength < low / original_context, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
+        if np.allclose(expected, divisors, rtol=1e-4, atol=0):
+            return {"rope_type": "llama3", "factor": factor, **candidate,
+                    "original_max_position_embeddings": original_context}
+    raise CheckpointError(f"{path}: {ROPE_FREQS_TENSOR} does not follow llama3 rope scaling; cannot convert it")
 
 
 def _open_reader(path: Path) -> Any:
@@ -248,10 +322,9 @@ def _read_metadata(reader: Any) -> dict[str, Any]:
         if name.startswith("GGUF."):
             continue  # the header's own counts, not metadata
         value = reader_field.contents()
-        if reader_field.types[-1] == gguf.GGUFValueType.FLOAT32:
-            # float32 1e-5 widens to 9.999999747e-06; print it back as the decimal the author wrote
-            value = [float(str(np.float32(v))) for v in value] if isinstance(value, list) \
-                else float(str(np.float32(value)))
+        if reader_field.types == [gguf.GGUFValueType.FLOAT32]:
+            # float32 1e-5 widens to 9.999999747e-06; give back the decimal the author wrote
+            value = float(str(np.float32(value)))
         metadata[name] = value
     return metadata
 

@@ -93,12 +93,12 @@ def converted_gguf_dir(gguf_path: Path, label: str) -> Path:
 def convert_gguf(gguf_path: Path, out: Path) -> Path:
     """GGUF file -> HF directory (fp32 weights, config, tokenizer with chat template)."""
     from posttrain.models.gguf_io import read_gguf
-    from posttrain.tokenizer import tokenizer_from_gguf
+    from posttrain.models.gguf_tokenizer import tokenizer_from_gguf
 
     checkpoint = read_gguf(gguf_path)
     cfg = ModelConfig.from_hf(checkpoint.config, source=str(gguf_path))
     model = build_model(cfg, checkpoint.tensors, str(gguf_path), torch.float32, "cpu")
-    tokenizer = tokenizer_from_gguf(checkpoint.tokenizer_meta)
+    tokenizer = tokenizer_from_gguf(checkpoint.tokenizer_meta, source=str(gguf_path))
     return save_hf_dir(model, out, tokenizer=tokenizer)
 
 

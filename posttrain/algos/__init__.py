@@ -1,0 +1,33 @@
+"""Algorithm math as pure tensor functions: advantages, KL estimators, policy / value / preference
+losses, loss aggregation and memory-lean log-probabilities. Imports nothing else of posttrain.
+
+Each family has a registry mapping a config name to one function per variant.
+"""
+
+from posttrain.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    dapo_dynamic_sampling_mask,
+    soft_overlong_penalty,
+)
+from posttrain.algos.aggregation import AGGREGATIONS
+from posttrain.algos.kl import KL_ESTIMATORS
+from posttrain.algos.logprobs import chunked_cross_entropy, entropy_from_logits, token_logprobs
+from posttrain.algos.losses import POLICY_LOSSES, value_loss
+from posttrain.algos.masked import masked_mean, masked_whiten
+from posttrain.algos.preference import PREFERENCE_LOSSES
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
+    "chunked_cross_entropy",
+    "dapo_dynamic_sampling_mask",
+    "entropy_from_logits",
+    "masked_mean",
+    "masked_whiten",
+    "soft_overlong_penalty",
+    "token_logprobs",
+    "value_loss",
+]
