@@ -66,8 +66,7 @@ def build_model(
     cfg: ModelConfig, hf_tensors: dict[str, torch.Tensor], source: str, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
     """Assemble a Transformer from HF-named tensors, checking names and shapes against the config."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = Transformer(cfg, device="meta")
     expected = dict(model.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
     for hf_name, tensor in hf_tensors.items():
@@ -92,8 +91,6 @@ def build_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # Non-persistent buffers (RoPE frequencies) were created on meta: rebuild them for real.
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
     return model.to(device)
 
 

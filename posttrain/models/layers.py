@@ -13,10 +13,10 @@ from torch import nn
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back (as transformers does)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -28,11 +28,11 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); names match HF so LoRA target names carry over."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False, device=device)
+        self.up_proj = nn.Linear(dim, hidden, bias=False, device=device)
+        self.down_proj = nn.Linear(hidden, dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

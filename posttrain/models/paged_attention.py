@@ -1,7 +1,29 @@
 """Attention over a paged KV cache: write the new tokens' K/V into their slots, then attend over each
-sequence's blocks. Pure PyTorch (SDPA), so it runs on CPU and GPU alike."""
+sequence's blocks. Pure PyTorch, so it runs on CPU and GPU alike.
+
+Two implementations with one contract (`PagedAttentionMetadata`):
+
+- `reference_paged_attention`: gathers every sequence's whole context and runs masked SDPA. Simple and
+  obviously right; used on accelerators, with a sliding window, and as the oracle in tests.
+- the CPU fast path (`paged_attention` on CPU), which measured 5-10x faster at 512 decoding sequences:
+  * decode rows use cascade attention: sequences that share leading blocks (the n samples of a prompt
+    after the prefill fork) attend those blocks ONCE as a group, with the group's query heads stacked
+    as query rows; each sequence then attends its own remaining blocks; the two partial softmaxes are
+    merged exactly with their log-sum-exps;
+  * grouped-query heads ride as query rows against their shared K/V head, so K/V are never repeated;
+  * gathers go into reused buffers: a fresh 50-100 MB tensor per layer costs more in page faults than
+    the copy itself.
+  Prefill rows (query_len > 1) gather their context once into a reused buffer and run masked SDPA.
+
+All K/V writes of a layer happen before any read, so a block computed in this step by one sequence
+may be read in the same step by another (the engine's prefix cache relies on it).
+"""
 
 from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +52,34 @@ def paged_attention(
     """q (N, H, D), k/v (N, Hkv, D) for the new tokens -> attention output (N, H, D)."""
     cache = meta.kv_caches[layer_idx]
     write_kv(cache, k, v, meta.slot_mapping)
+    if q.device.type != "cpu" or sliding_window is not None:
+        return _reference_attend(q, cache, meta, sliding_window)
+    plan = _plan_for(meta, cache.shape[2])
+    out = torch.empty_like(q)  # (N, H, D)
+    if plan.decode is not None:
+        out.index_copy_(0, plan.decode.token_rows, _decode_attend(q, cache, plan.decode))
+    if plan.prefill is not None:
+        out.index_copy_(0, plan.prefill.token_rows, _prefill_attend(q, cache, plan.prefill))
+    return out
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    layer_idx: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The simple version: every sequence's whole context gathered, masked SDPA. Same contract."""
+    cache = meta.kv_caches[layer_idx]
+    write_kv(cache, k, v, meta.slot_mapping)
+    return _reference_attend(q, cache, meta, sliding_window)
+
+
+def _reference_attend(
+    q: torch.Tensor, cache: torch.Tensor, meta: PagedAttentionMetadata, sliding_window: int | None
+) -> torch.Tensor:
     S, max_blocks = meta.block_tables.shape
     block_size = cache.shape[2]
     L = max_blocks * block_size
@@ -70,3 +120,241 @@ def _unpad_queries(out: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
     S, H, Q, D = out.shape
     valid = torch.arange(Q, device=out.device)[None, :] < query_lens[:, None]  # (S, Q)
     return out.transpose(1, 2)[valid]
+
+
+# ---- the CPU fast path: a per-step plan, shared by every layer ------------------------------------
+
+
+@dataclass
+class _DecodePlan:
+    """Sequences with one new token. Every one attends its suffix blocks; members of a group also
+    attend the group's shared prefix blocks, merged by log-sum-exp."""
+
+    token_rows: torch.Tensor  # (Sd,) row of q / out of each decode sequence
+    suffix_blocks: torch.Tensor  # (Sd, Bs) blocks after the shared prefix, padded with block 0
+    suffix_mask: torch.Tensor | None  # (Sd, 1, 1, Bs * block_size) additive 0 / -inf, None if nothing padded
+    # The cascade part, None when no group shares a block.
+    group_blocks: torch.Tensor | None = None  # (Gp, Bp) shared prefix blocks of each group
+    group_mask: torch.Tensor | None = None  # (Gp, 1, 1, Bp * block_size) additive, None if all equal
+    group_query_rows: torch.Tensor | None = None  # (Gp * M,) q row of each member slot (padding repeats a row)
+    members_per_group: int = 0  # M
+    member_slot: torch.Tensor | None = None  # (Sc,) slot (g * M + j) of each grouped decode sequence
+    grouped: torch.Tensor | None = None  # (Sc,) index into the decode sequences of each grouped one
+
+
+@dataclass
+class _PrefillPlan:
+    token_rows: torch.Tensor  # (Np,) rows of q / out, sequence by sequence
+    blocks: torch.Tensor  # (Sp, B) block tables
+    query_lens: torch.Tensor  # (Sp,)
+    mask: torch.Tensor  # (Sp, 1, Q, B * block_size) bool, causal within the context
+    max_query_len: int
+
+
+@dataclass
+class _Plan:
+    decode: _DecodePlan | None
+    prefill: _PrefillPlan | None
+
+
+_plan_cache = threading.local()
+
+
+def _plan_for(meta: PagedAttentionMetadata, block_size: int) -> _Plan:
+    """The plan depends only on the metadata, so build it at layer 0 and reuse it for the others."""
+    cached = getattr(_plan_cache, "entry", None)
+    if cached is not None and cached[0]() is meta:
+        return cached[1]
+    plan = _build_plan(meta, block_size)
+    _plan_cache.entry = (weakref.ref(meta), plan)
+    return plan
+
+
+def _build_plan(meta: PagedAttentionMetadata, block_size: int) -> _Plan:
+    query_lens = meta.query_lens.tolist()
+    context_lens = meta.context_lens.tolist()
+    tables = meta.block_tables
+    starts, row = [], 0
+    for n in query_lens:
+        starts.append(row)
+        row += n
+    decode = [s for s, n in enumerate(query_lens) if n == 1]
+    prefill = [s for s, n in enumerate(query_lens) if n > 1]
+    return _Plan(
+        _decode_plan(decode, starts, context_lens, tables, block_size) if decode else None,
+        _prefill_plan(prefill, starts, query_lens, context_lens, tables, block_size) if prefill else None,
+    )
+
+
+def _decode_plan(
+    seqs: list[int], starts: list[int], context_lens: list[int], tables: torch.Tensor, block_size: int
+) -> _DecodePlan:
+    ctx = [context_lens[s] for s in seqs]
+    table = tables[seqs] if len(seqs) != tables.shape[0] else tables  # (Sd, W)
+    # Blocks each sequence shares with the one before it (equal leading block ids = the same K/V).
+    if len(seqs) > 1:
+        common = (table[1:] == table[:-1]).cumprod(dim=1).sum(dim=1).tolist()  # (Sd - 1,)
+    else:
+        common = []
+    # Cut between neighbours that share nothing, or less than an adjacent pair does (so a group of
+    # siblings sharing a long prompt is not merged with strangers that share only a system prompt).
+    groups: list[list[int]] = [[0]]
+    for i, c in enumerate(common):
+        left = common[i - 1] if i > 0 else 0
+        right = common[i + 1] if i + 1 < len(common) else 0
+        if c == 0 or c < left or c < right:
+            groups.append([i + 1])
+        else:
+            groups[-1].append(i + 1)
+    shared = [0] * len(seqs)  # prefix blocks each decode sequence attends as part of its group
+    cascade: list[tuple[list[int], int]] = []
+    for members in groups:
+        if len(members) < 2:
+            continue
+        n_shared = min(common[j - 1] for j in members[1:])
+        # Keep at least the sequence's newest token in its own suffix (the suffix is never empty).
+        n_shared = min(n_shared, (min(ctx[j] for j in members) - 1) // block_size)
+        if n_shared == 0:
+            continue
+        cascade.append((members, n_shared))
+        for j in members:
+            shared[j] = n_shared
+    device = tables.device
+    rows = table.tolist()
+    suffix_lens = [c - b * block_size for c, b in zip(ctx, shared)]
+    suffix_width = max(-(-n // block_size) for n in suffix_lens)
+    suffix_blocks = []
+    for j, r in enumerate(rows):
+        part = r[shared[j] : shared[j] + suffix_width]
+        suffix_blocks.append(part + [0] * (suffix_width - len(part)))
+    plan = _DecodePlan(
+        token_rows=torch.tensor([starts[s] for s in seqs], device=device),
+        suffix_blocks=torch.tensor(suffix_blocks, device=device),  # (Sd, Bs)
+        suffix_mask=_length_mask(suffix_lens, suffix_width * block_size, device),
+    )
+    if cascade:
+        M = max(len(members) for members, _ in cascade)
+        Bp = max(n for _, n in cascade)
+        group_blocks = [rows[members[0]][:n] + [0] * (Bp - n) for members, n in cascade]  # (Gp, Bp)
+        query_rows, member_slot, grouped = [], [], []
+        for g, (members, _) in enumerate(cascade):
+            member_rows = [starts[seqs[j]] for j in members]
+            query_rows += member_rows + [member_rows[0]] * (M - len(members))
+            member_slot += [g * M + k for k in range(len(members))]
+            grouped += members
+        plan.group_blocks = torch.tensor(group_blocks, device=device)
+        plan.group_mask = _length_mask([n * block_size for _, n in cascade], Bp * block_size, device)
+        plan.group_query_rows = torch.tensor(query_rows, device=device)
+        plan.members_per_group = M
+        plan.member_slot = torch.tensor(member_slot, device=device)
+        plan.grouped = torch.tensor(grouped, device=device)
+    return plan
+
+
+def _length_mask(lengths: list[int], width: int, device: torch.device) -> torch.Tensor | None:
+    """(B, 1, 1, width) additive mask: 0 for positions < length, -inf after; None when nothing is masked."""
+    if all(n == width for n in lengths):
+        return None
+    valid = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]  # (B, width)
+    mask = torch.zeros(len(lengths), 1, 1, width, device=device)
+    return mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+
+
+def _prefill_plan(
+    seqs: list[int], starts: list[int], query_lens: list[int], context_lens: list[int], tables: torch.Tensor,
+    block_size: int,
+) -> _PrefillPlan:
+    device = tables.device
+    qlens = [query_lens[s] for s in seqs]
+    ctx = [context_lens[s] for s in seqs]
+    width = max(-(-c // block_size) for c in ctx)
+    Q = max(qlens)
+    rows = [r for s in seqs for r in range(starts[s], starts[s] + query_lens[s])]
+    q_pos = torch.tensor([c - n for c, n in zip(ctx, qlens)], device=device)[:, None] + torch.arange(Q, device=device)
+    mask = torch.arange(width * block_size, device=device)[None, None, :] <= q_pos[:, :, None]  # (Sp, Q, L)
+    return _PrefillPlan(
+        token_rows=torch.tensor(rows, device=device),
+        blocks=tables[seqs, :width],
+        query_lens=torch.tensor(qlens, device=device),
+        mask=mask[:, None],
+        max_query_len=Q,
+    )
+
+
+# ---- the CPU fast path: kernels ----------------------------------------------------------------------
+
+_workspace = threading.local()
+
+
+def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A reused scratch tensor (grown when too small); valid until the next call with the same name."""
+    buffers = getattr(_workspace, "buffers", None)
+    if buffers is None:
+        buffers = _workspace.buffers = {}
+    numel = 1
+    for n in shape:
+        numel *= n
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cache (2, num_blocks, bs, Hkv, D), blocks (B, W) -> K, V as (B, Hkv, W * bs, D) views of a buffer."""
+    _, num_blocks, bs, hkv, d = cache.shape
+    B, W = blocks.shape
+    flat = cache.view(2, num_blocks, bs * hkv * d)
+    out = _buffer(name, (2, B * W, bs * hkv * d), cache)
+    index = blocks.reshape(-1)
+    torch.index_select(flat[0], 0, index, out=out[0])
+    torch.index_select(flat[1], 0, index, out=out[1])
+    kv = out.view(2, B, W * bs, hkv, d)
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, Hkv, L, D) each
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention with its log-sum-exp: q (B, Hkv, M, D), k/v (B, Hkv, L, D), mask additive."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    return out, lse  # (B, Hkv, M, D), (B, Hkv, M)
+
+
+def _decode_attend(q: torch.Tensor, cache: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
+    """-> (Sd, H, D) for the decode sequences, in plan order."""
+    _, H, D = q.shape
+    hkv = cache.shape[3]
+    G = H // hkv  # query heads per K/V head
+    Sd = plan.token_rows.shape[0]
+    queries = q.index_select(0, plan.token_rows).view(Sd, hkv, G, D)  # (Sd, Hkv, G, D): heads as query rows
+    k, v = _gather(cache, plan.suffix_blocks, "suffix")
+    out, lse = _flash(queries, k, v, plan.suffix_mask)  # (Sd, Hkv, G, D), (Sd, Hkv, G)
+    if plan.group_blocks is not None:
+        M = plan.members_per_group
+        Gp = plan.group_blocks.shape[0]
+        members = q.index_select(0, plan.group_query_rows).view(Gp, M, hkv, G, D)
+        members = members.transpose(1, 2).reshape(Gp, hkv, M * G, D)  # (Gp, Hkv, M*G, D)
+        pk, pv = _gather(cache, plan.group_blocks, "prefix")
+        p_out, p_lse = _flash(members, pk, pv, plan.group_mask)  # (Gp, Hkv, M*G, D), (Gp, Hkv, M*G)
+        p_out = p_out.view(Gp, hkv, M, G, D).transpose(1, 2).reshape(Gp * M, hkv, G, D)
+        p_lse = p_lse.view(Gp, hkv, M, G).transpose(1, 2).reshape(Gp * M, hkv, G)
+        p_out, p_lse = p_out.index_select(0, plan.member_slot), p_lse.index_select(0, plan.member_slot)  # (Sc, ...)
+        s_out, s_lse = out.index_select(0, plan.grouped), lse.index_select(0, plan.grouped)
+        # Merge the two partial softmaxes: weights exp(lse_i - lse_total).
+        total = torch.logaddexp(p_lse, s_lse)  # (Sc, Hkv, G)
+        merged = p_out * torch.exp(p_lse - total).unsqueeze(-1) + s_out * torch.exp(s_lse - total).unsqueeze(-1)
+        out = out.index_copy(0, plan.grouped, merged.to(out.dtype))
+    return out.reshape(Sd, H, D)
+
+
+def _prefill_attend(q: torch.Tensor, cache: torch.Tensor, plan: _PrefillPlan) -> torch.Tensor:
+    """-> (Np, H, D) for the prefill sequences' tokens, in plan order."""
+    _, H, D = q.shape
+    hkv = cache.shape[3]
+    k, v = _gather(cache, plan.blocks, "prefill")  # (Sp, Hkv, L, D)
+    Sp = plan.blocks.shape[0]
+    flat = q.index_select(0, plan.token_rows)  # (Np, H, D)
+    queries = _pad_queries(flat, plan.query_lens, plan.max_query_len)  # (Sp, H, Q, D)
+    out = F.scaled_dot_product_attention(
+        queries, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.mask, enable_gqa=H != hkv
+    )  # (Sp, H, Q, D)
+    return _unpad_queries(out, plan.query_lens)

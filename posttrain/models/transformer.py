@@ -21,12 +21,12 @@ from posttrain.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = Attention(cfg, layer_idx, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
@@ -35,16 +35,24 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """Llama-family decoder. `model(ids)` returns logits; `hidden_states` + `logits` split the two halves
-    so callers (losses, the engine) can project only the positions they need."""
+    so callers (losses, the engine) can project only the positions they need.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    `device="meta"` builds the structure without allocating or initialising weights (the loader then
+    assigns real tensors); otherwise weights get a small random init (for tests and from-scratch runs).
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Embedding init is done by hand: nn.Embedding's normal_ on "meta" pulls in torch._dynamo (seconds).
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device)
+        if embedding.device.type != "meta":
+            nn.init.normal_(embedding)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
