@@ -1,0 +1,61 @@
+"""`posttrain serve`: an OpenAI-compatible HTTP server over the rollout engine (see docs/serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from posttrain.commands.common import add_model_arguments
+from posttrain.errors import PosttrainError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: --model)")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                        help="also serve a PEFT LoRA adapter as model NAME (repeatable)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default: 4 MiB)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--block-size", type=int, default=None)
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (split between served models)")
+    engine.add_argument("--kv-cache-bytes", type=int, default=None)
+    engine.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace):
+    from posttrain.engine.config import EngineConfig
+
+    fields = {name: getattr(args, name) for name in (
+        "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+        "kv_cache_bytes", "kv_cache_memory_fraction") if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        fields["enable_prefix_caching"] = False
+    if "max_num_seqs" in fields and "max_num_batched_tokens" not in fields:
+        fields["max_num_batched_tokens"] = max(4096, fields["max_num_seqs"])
+    return EngineConfig(**fields)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from posttrain.serve.app import build_app
+    except ImportError as error:
+        raise PosttrainError(f"serve needs FastAPI and uvicorn ({error}): pip install fastapi uvicorn") from None
+    from posttrain.serve.loading import load_served_models, parse_lora_specs
+
+    if args.max_body_bytes < 1:
+        raise PosttrainError(f"--max-body-bytes={args.max_body_bytes}: must be a positive integer")
+    loras = parse_lora_specs(args.lora)
+    async_engine, tokenizer = load_served_models(args.model, loras, engine_config(args),
+                                                 served_model_name=args.served_model_name,
+                                                 dtype=args.dtype, device=args.device)
+    app = build_app(async_engine, tokenizer, max_body_bytes=args.max_body_bytes)
+    print(f"serving {', '.join(async_engine.models)} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,358 @@
+"""The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /debug/stats.
+
+    app = build_app(async_engine, tokenizer, max_body_bytes=4 << 20)
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every refusal is an OpenAI-shaped error (errors.py) and leaves the server as it was. A client that goes
+away has its requests aborted: streaming responses are cancelled by the server on disconnect, and
+non-streaming handlers poll for the disconnect while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from posttrain.errors import PosttrainError
+from posttrain.serve import render
+from posttrain.serve.async_engine import AsyncEngine, EngineDeadError, ServedModel
+from posttrain.serve.errors import APIError, context_length_exceeded, error_body, model_not_found
+from posttrain.serve.protocol import (
+    CHAT_ROLES,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    dump,
+)
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DISCONNECT_POLL_S = 0.1
+
+
+def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """A FastAPI app over a (not yet started) AsyncEngine; the app starts and stops its loop."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="posttrain", lifespan=lifespan)
+    api = _Handlers(async_engine, tokenizer, max_body_bytes)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error.detail), type=kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", type="internal_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return JSONResponse(error_body("the engine loop is not running", type="internal_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/debug/stats")
+    async def debug_stats() -> dict[str, Any]:
+        return async_engine.stats()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [ModelCard(id=m.name, created=created, root=m.parent or m.name, parent=m.parent,
+                           max_model_len=m.max_model_len) for m in async_engine.models.values()]
+        return dump(ModelList(data=cards))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat(request)
+
+    return app
+
+
+class _Handlers:
+    def __init__(self, async_engine: AsyncEngine, tokenizer: Any, max_body_bytes: int) -> None:
+        self.engine = async_engine
+        self.tokenizer = tokenizer
+        self.max_body_bytes = max_body_bytes
+        self.token_text = render.TokenText(tokenizer)
+
+    # ---- shared steps ---------------------------------------------------------------------------------
+
+    async def _parse(self, request: Request, schema: type[BaseModel]) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: deep nesting
+            raise APIError(f"We could not parse the JSON body of your request: {error}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(f"The request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as error:
+            first = max(error.errors(), key=lambda e: len(e["loc"]))  # the most specific (union members)
+            param = _param_name(first["loc"])
+            raise APIError(f"{param or 'body'}: {first['msg']} (got {first.get('input')!r:.100})",
+                           param=param or None) from None
+
+    def _model(self, name: str) -> ServedModel:
+        served = self.engine.models.get(name)
+        if served is None:
+            raise model_not_found(name, list(self.engine.models))
+        return served
+
+    def _check(self, served: ServedModel, request_id: str, prompts: list[list[int]], params: Any, param: str) -> None:
+        for ids in prompts:
+            if not ids:
+                raise APIError(f"The {param} is empty", param=param)
+            if len(ids) + params.max_tokens > served.max_model_len:
+                raise context_length_exceeded(served.max_model_len, len(ids), params.max_tokens, param)
+            try:
+                self.engine.check(served.name, request_id, ids, params)
+            except PosttrainError as error:
+                raise APIError(str(error), param=param) from None
+
+    @staticmethod
+    async def _collect(request: Request, stream: AsyncIterator[tuple[int, Any]]) -> dict[int, Any] | None:
+        """Final output per prompt index; None if the client disconnected first (its requests are aborted)."""
+        finals: dict[int, Any] = {}
+
+        async def consume() -> None:
+            async with contextlib.aclosing(stream):
+                async for index, output in stream:
+                    if output.finished:
+                        finals[index] = output
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return finals
+                if await request.is_disconnected():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    # ---- /v1/completions ---------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        served = self._model(req.model)
+        if req.echo:
+            raise APIError("echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        prompts, texts = self._encode_prompts(req.prompt)
+        params = render.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        self._check(served, request_id, prompts, params, "prompt")
+        outputs = self.engine.generate(served.name, request_id, prompts, params, texts, stream=req.stream)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._completion_stream(req, request_id, outputs, params, prompt_tokens, include_usage))
+        finals = await self._collect(request, outputs)
+        if finals is None:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for index in sorted(finals):
+            for out in finals[index].outputs:
+                completion_tokens += len(out.token_ids)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = render.completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
+                                                          out.top_logprobs if req.logprobs else None)
+                choices.append(CompletionChoice(index=index * req.n + out.index, text=out.text, logprobs=logprobs,
+                                                finish_reason=render.finish_reason(out.finish_reason)))
+        return JSONResponse(dump(CompletionResponse(
+            id=request_id, created=int(time.time()), model=served.name, choices=choices,
+            usage=render.usage(prompt_tokens, completion_tokens))))
+
+    def _encode_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("The prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)], [None]
+        if all(isinstance(p, str) for p in prompt):
+            return [self.tokenizer.encode(p, add_special_tokens=True) for p in prompt], list(prompt)
+        return [list(p) for p in prompt], [None] * len(prompt)
+
+    async def _completion_stream(self, req: CompletionRequest, request_id: str, outputs: AsyncIterator,
+                                 params: Any, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        trackers: dict[tuple[int, int], render.DeltaTracker] = {}
+        completion_tokens = 0
+        async with contextlib.aclosing(outputs):
+            try:
+                async for index, output in outputs:
+                    for out in output.outputs:
+                        tracker = trackers.setdefault((index, out.index), render.DeltaTracker(params.stop))
+                        delta = tracker.update(out)
+                        if delta is None:
+                            continue
+                        completion_tokens += len(delta.token_ids)
+                        logprobs = None
+                        if req.logprobs is not None:
+                            logprobs = render.completion_logprobs(
+                                self.token_text, delta.token_ids, delta.logprobs or [],
+                                delta.top_logprobs if req.logprobs else None, delta.text_offset)
+                        choice = CompletionChoice(index=index * req.n + out.index, text=delta.text,
+                                                  logprobs=logprobs, finish_reason=delta.finish_reason)
+                        yield render.sse(dump(CompletionResponse(id=request_id, created=created,
+                                                                 model=req.model, choices=[choice])))
+            except (EngineDeadError, PosttrainError) as error:
+                yield render.sse(error_body(str(error), type="internal_error"))
+        if include_usage:
+            yield render.sse(dump(CompletionResponse(id=request_id, created=created, model=req.model, choices=[],
+                                                     usage=render.usage(prompt_tokens, completion_tokens))))
+        yield render.SSE_DONE
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        served = self._model(req.model)
+        prompt = self._chat_prompt(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, served.max_model_len - len(prompt))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or True) if req.logprobs else None
+        params = render.sampling_params(req, max_tokens, logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check(served, request_id, [prompt], params, "messages")
+        outputs = self.engine.generate(served.name, request_id, [prompt], params, stream=req.stream)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._chat_stream(req, request_id, outputs, params, len(prompt), include_usage))
+        finals = await self._collect(request, outputs)
+        if finals is None:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for out in finals[0].outputs:
+            completion_tokens += len(out.token_ids)
+            logprobs = None
+            if req.logprobs:
+                logprobs = render.chat_logprobs(self.token_text, out.token_ids, out.logprobs or [], out.top_logprobs)
+            choices.append(ChatChoice(index=out.index, message=AssistantMessage(content=out.text), logprobs=logprobs,
+                                      finish_reason=render.finish_reason(out.finish_reason)))
+        return JSONResponse(dump(ChatCompletionResponse(
+            id=request_id, created=int(time.time()), model=served.name, choices=choices,
+            usage=render.usage(len(prompt), completion_tokens))))
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise APIError("messages must contain at least one message", param="messages")
+        messages = []
+        for i, message in enumerate(req.messages):
+            if message.role not in CHAT_ROLES:
+                raise APIError(f"Invalid value {message.role!r} for messages[{i}].role; supported roles: "
+                               f"{', '.join(CHAT_ROLES)}", param=f"messages.[{i}].role")
+            content = message.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            role = "system" if message.role == "developer" else message.role
+            messages.append({"role": role, "content": content or ""})
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        except PosttrainError as error:
+            raise APIError(str(error), param="messages") from None
+
+    async def _chat_stream(self, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
+                           params: Any, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
+            return render.sse(dump(ChatCompletionChunk(id=request_id, created=created, model=req.model,
+                                                       choices=choices, usage=usage)))
+
+        trackers = [render.DeltaTracker(params.stop) for _ in range(req.n)]
+        completion_tokens = 0
+        async with contextlib.aclosing(outputs):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(req.n)])
+            try:
+                async for _, output in outputs:
+                    for out in output.outputs:
+                        delta = trackers[out.index].update(out)
+                        if delta is None:
+                            continue
+                        completion_tokens += len(delta.token_ids)
+                        logprobs = None
+                        if req.logprobs:
+                            logprobs = render.chat_logprobs(self.token_text, delta.token_ids, delta.logprobs or [],
+                                                            delta.top_logprobs)
+                        yield chunk([ChatChunkChoice(index=out.index, delta=DeltaMessage(content=delta.text),
+                                                     logprobs=logprobs, finish_reason=delta.finish_reason)])
+            except (EngineDeadError, PosttrainError) as error:
+                yield render.sse(error_body(str(error), type="internal_error"))
+        if include_usage:
+            yield chunk([], render.usage(prompt_tokens, completion_tokens))
+        yield render.SSE_DONE
+
+
+def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _param_name(loc: tuple) -> str:
+    """A pydantic error location as OpenAI names parameters: ("messages", 0, "role") -> "messages.[0].role".
+    Union members appear in the location under their type ("str", "list[int]"); they are left out."""
+    parts = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif "[" not in part and part not in ("str", "int", "float", "bool") and not part.startswith("function-"):
+            parts.append(part)
+    return ".".join(parts)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"The request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
