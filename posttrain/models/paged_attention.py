@@ -5,7 +5,8 @@ Two implementations with one contract (`PagedAttentionMetadata`):
 
 - `reference_paged_attention`: gathers every sequence's whole context and runs masked SDPA. Simple and
   obviously right; used on accelerators, with a sliding window, and as the oracle in tests.
-- the CPU fast path (`paged_attention` on CPU), which measured 5-10x faster at 512 decoding sequences:
+- the CPU fast path (`paged_attention` on CPU); at 512 decoding sequences (64 prompts x 8 samples,
+  SmolLM2-135M shapes) one layer measured 87 -> 7 ms with 16 generated tokens, 51 -> 24 ms with 128:
   * decode rows use cascade attention: sequences that share leading blocks (the n samples of a prompt
     after the prefill fork) attend those blocks ONCE as a group, with the group's query heads stacked
     as query rows; each sequence then attends its own remaining blocks; the two partial softmaxes are
@@ -34,8 +35,10 @@ from posttrain.models.attention import PagedAttentionMetadata
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache (2, num_blocks, block_size, Hkv, D); k, v (N, Hkv, D); slots < 0 are skipped."""
     flat = cache.view(2, -1, *cache.shape[-2:])  # (2, num_slots, Hkv, D)
+    # Inside CUDA graph capture no host sync is allowed; the engine then passes only slots >= 0.
+    capturing = slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if not capturing and not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     flat[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
@@ -295,7 +298,9 @@ def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
     for n in shape:
         numel *= n
     buf = buffers.get(name)
-    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+    stale = buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device
+    # A buffer made under inference_mode cannot be written outside it.
+    if stale or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel].view(shape)
 
@@ -315,6 +320,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> tuple[torch
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention with its log-sum-exp: q (B, Hkv, M, D), k/v (B, Hkv, L, D), mask additive."""
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
     return out, lse  # (B, Hkv, M, D), (B, Hkv, M)
 

@@ -1,0 +1,158 @@
+"""GRPO step time: posttrain vs TRL's GRPOTrainer on one configuration, in one run.
+
+Both: the default model (SmolLM2-135M-Instruct, full fine-tuning, fp32), the same arithmetic prompts
+(`ArithmeticTask(seed=0).sample(8)` per step, in order), 8 prompts x 8 samples, 32 new tokens at most,
+temperature 1, beta 0 (no reference model), one optimizer step per rollout, AdamW at the same LR, the
+`grpo` loss (per-sequence token mean), the `numeric_match` reward. TRL runs offline from the local HF
+directory of the default model and an in-memory `datasets.Dataset`.
+
+The two run alternately in one process (a posttrain step after each TRL step, outside TRL's timing),
+so that both see the same load on a shared machine. Prints per-step times, then one JSON line:
+    {"posttrain_s": median step, "trl_s": median step, "speedup": trl_s / posttrain_s, ...}
+with the median process CPU seconds per step too (`*_cpu_s`, `speedup_cpu`): on a shared machine
+they say more about the code than wall time does.
+
+    .venv/bin/python benchmarks/grpo_step.py [--steps 4] [--only posttrain|trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS, SAMPLES, MAX_TOKENS, LR, SEED = 8, 8, 32, 1e-5, 0
+
+
+def prompt_batches(steps: int) -> list[list[dict]]:
+    from posttrain.tasks import ArithmeticTask
+
+    task = ArithmeticTask(seed=SEED)
+    return [task.sample(PROMPTS) for _ in range(steps)]
+
+
+def setup_posttrain(out: Path):
+    from posttrain.config import load_config
+    from posttrain.trainers.rl import setup_run
+    from posttrain.trainers.rl_config import GRPOConfig
+
+    cfg = load_config(GRPOConfig, None, [
+        "algorithm=grpo", f"rollout.prompts_per_step={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}",
+        f"rollout.max_tokens={MAX_TOKENS}", "rollout.temperature=1.0", "kl.beta=0.0", "train.epochs=1",
+        f"optim.lr={LR}", "optim.max_grad_norm=1.0", "optim.betas=[0.9, 0.999]", "data.task=arithmetic",
+        f"data.seed={SEED}", "data.eval_size=0", f"train.seed={SEED}", "log.progress=false", f"out={out}",
+        "save_final=false",
+    ])
+    return setup_run(cfg, "grpo")  # its ArithmeticTask(seed=0) draws the same prompts as prompt_batches()
+
+
+def posttrain_step(run, times: list[float], cpu_times: list[float]) -> None:  # noqa: ANN001 (RLRun)
+    from posttrain.trainers.rl import rl_step
+
+    start, cpu = time.perf_counter(), time.process_time()
+    metrics = rl_step(run, len(times) + 1)
+    times.append(time.perf_counter() - start)
+    cpu_times.append(time.process_time() - cpu)
+    split = {k[5:-2]: round(v, 1) for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s"}
+    print(f"posttrain step {len(times)}: {times[-1]:.1f}s (cpu {cpu_times[-1]:.1f}s) {split} "
+          f"reward={metrics['reward/mean']:.3f} "
+          f"load={load_average()}", flush=True)
+
+
+def run_trl(steps: int, out: Path, between_steps=None) -> tuple[list[float], list[float]]:  # noqa: ANN001
+    """TRL's GRPOTrainer for `steps` steps; `between_steps()` runs after each step, outside its timing."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    from posttrain.models.hub import resolve_model_path
+    from posttrain.rewards import numeric_match
+
+    path = str(resolve_model_path("smollm2-135m"))
+    rows = [row for batch in prompt_batches(steps) for row in batch]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu_times: list[float] = []
+            self.start = self.cpu_start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+            self.times.append(time.perf_counter() - self.start)
+            self.cpu_times.append(time.process_time() - self.cpu_start)
+            print(f"trl step {len(self.times)}: {self.times[-1]:.1f}s (cpu {self.cpu_times[-1]:.1f}s) "
+                  f"load={load_average()}", flush=True)
+            if between_steps is not None:
+                between_steps()
+
+    args = TRLConfig(
+        output_dir=str(out), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
+        num_generations=SAMPLES, max_completion_length=MAX_TOKENS, temperature=1.0, beta=0.0,
+        num_iterations=1, learning_rate=LR, loss_type="grpo", max_steps=steps, shuffle_dataset=False,
+        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        seed=SEED, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+    )
+    timer = StepTimes()
+    trainer = GRPOTrainer(model=model, reward_funcs=numeric_match, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    return timer.times, timer.cpu_times
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per framework (median over them; >= 3)")
+    parser.add_argument("--only", choices=("posttrain", "trl"), default=None)
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be >= 3 (the median of fewer is not a step time)")
+    result: dict[str, object] = {"threads": torch.get_num_threads(), "load_before": load_average()}
+    ours: list[float] = []
+    ours_cpu: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        run = setup_posttrain(Path(tmp) / "posttrain") if args.only != "trl" else None
+        if args.only == "posttrain":
+            for _ in range(args.steps):
+                posttrain_step(run, ours, ours_cpu)
+        else:
+            # Alternate the two (a posttrain step after each TRL step) so both see the same machine load.
+            between = (lambda: posttrain_step(run, ours, ours_cpu)) if run is not None else None
+            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", between)
+            result["trl_s"] = round(statistics.median(trl), 2)
+            result["trl_steps_s"] = [round(t, 2) for t in trl]
+            result["trl_cpu_s"] = round(statistics.median(trl_cpu), 2)
+        if ours:
+            result["posttrain_s"] = round(statistics.median(ours), 2)
+            result["posttrain_steps_s"] = [round(t, 2) for t in ours]
+            result["posttrain_cpu_s"] = round(statistics.median(ours_cpu), 2)
+            run.logger.close()
+    if "posttrain_s" in result and "trl_s" in result:
+        result["speedup"] = round(result["trl_s"] / result["posttrain_s"], 2)
+        # process CPU seconds per step: less sensitive to what else the machine runs than wall time
+        result["speedup_cpu"] = round(result["trl_cpu_s"] / result["posttrain_cpu_s"], 2)
+    result["load_after"] = load_average()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""`posttrain eval <task> ...`: evaluation tasks, one registry entry each.
+
+    posttrain eval ppl --model M --data FILE [--column answer] [--skip N] [--max-rows N] [--max-length L] [--json]
+
+A task is a help line, a function that adds its arguments and a function that runs it; add one by adding
+an entry to TASKS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from posttrain.commands.common import add_model_arguments
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def load_for_eval(args: argparse.Namespace):
+    """(model, tokenizer); a quantized directory loads through posttrain.quant even before hub knows it."""
+    from posttrain.models.hub import load_model, resolve_model_path
+    from posttrain.quant import is_quantized_dir, load_quantized
+
+    path = resolve_model_path(args.model)
+    if is_quantized_dir(path):
+        from posttrain.models.checkpoint_io import parse_dtype
+
+        return load_quantized(path, device=args.device or "cpu", dtype=parse_dtype(args.dtype))
+    return load_model(path, dtype=args.dtype, device=args.device)
+
+
+# ---- ppl --------------------------------------------------------------------------------------------
+
+
+def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--data", required=True, help="dataset file (JSONL, JSON, Parquet) with a text column")
+    parser.add_argument("--column", default="text", help="the column holding the text (default: text; GSM8K: answer)")
+    parser.add_argument("--skip", type=int, default=0, help="skip this many rows first (e.g. to score the last ones)")
+    parser.add_argument("--max-rows", type=int, default=None, help="score at most this many rows")
+    parser.add_argument("--max-length", type=int, default=1024, help="tokens per row, longer rows are cut (default 1024)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _ppl_run(args: argparse.Namespace) -> int:
+    from posttrain.eval.perplexity import evaluate_perplexity
+
+    model, tokenizer = load_for_eval(args)
+    result = evaluate_perplexity(model, tokenizer, args.data, args.column, args.skip, args.max_rows,
+                                 args.max_length, args.batch_size, progress=True)
+    if args.json:
+        print(json.dumps({"task": "ppl", "model": str(args.model), "data": str(args.data), "column": args.column,
+                          "skip": args.skip, "max_length": args.max_length, **result.to_dict()}))
+    else:
+        print(f"perplexity {result.perplexity:.4f}  (mean NLL {result.mean_nll:.4f} nats over {result.tokens} tokens, "
+              f"{result.rows} rows, {result.truncated_rows} cut to {args.max_length} tokens)")
+    return 0
+
+
+TASKS: dict[str, EvalTask] = {
+    "ppl": EvalTask("perplexity on held-out text (a JSONL text column)", _ppl_arguments, _ppl_run),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="task", metavar="TASK", required=True)
+    for name, task in TASKS.items():
+        task.add_arguments(sub.add_parser(name, help=task.help, description=task.help))
+
+
+def run(args: argparse.Namespace) -> int:
+    return TASKS[args.task].run(args)

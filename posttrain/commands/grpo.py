@@ -1,0 +1,22 @@
+"""`posttrain grpo [CONFIG.yaml] [key=value ...]`: the GRPO family (grpo, dr_grpo, dapo, gspo, rloo,
+reinforce_pp) on the rollout engine over the live policy. With no arguments: the default model learns
+two-digit addition, with held-out greedy accuracy reported before and after."""
+
+from __future__ import annotations
+
+import argparse
+
+from posttrain.config import parse_cli_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("argv", nargs=argparse.REMAINDER,
+                        help="an optional YAML config, then overrides such as algorithm=dapo optim.lr=2e-5")
+
+
+def run(args: argparse.Namespace) -> int:
+    from posttrain.trainers.rl import train_grpo
+    from posttrain.trainers.rl_config import GRPOConfig
+
+    train_grpo(parse_cli_config(GRPOConfig, args.argv))
+    return 0

@@ -1,0 +1,21 @@
+"""`posttrain ppo [CONFIG.yaml] [key=value ...]`: PPO with GAE and a value head on the policy trunk,
+on the rollout engine over the live policy."""
+
+from __future__ import annotations
+
+import argparse
+
+from posttrain.config import parse_cli_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("argv", nargs=argparse.REMAINDER,
+                        help="an optional YAML config, then overrides such as ppo.lam=0.95 optim.lr=1e-5")
+
+
+def run(args: argparse.Namespace) -> int:
+    from posttrain.trainers.ppo import train_ppo
+    from posttrain.trainers.rl_config import PPOConfig
+
+    train_ppo(parse_cli_config(PPOConfig, args.argv))
+    return 0

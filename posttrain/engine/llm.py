@@ -1,0 +1,210 @@
+"""LLM: the offline face of the engine. Prompts (text, chat messages or token ids) in, completions out.
+
+    llm = LLM(model="smollm2-135m")                      # load by name / path
+    llm = LLM(model=module, tokenizer=tok)               # or wrap the live module a trainer is updating
+    outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=128, logprobs=True))
+    for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)): print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from posttrain.engine.config import EngineConfig
+from posttrain.engine.llm_engine import LLMEngine
+from posttrain.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from posttrain.engine.sampling import SamplingParams
+from posttrain.errors import PosttrainError
+
+ChatMessages = Sequence[dict[str, Any]]
+Prompt = Union[str, ChatMessages, Sequence[int]]
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta"]
+
+
+class LLM:
+    """A rollout engine over one model module. `model`: a name or path for `load_model`, or a live
+    `Transformer` (the engine holds it and never copies its weights: optimizer steps are seen at once;
+    call `weights_updated()` after each one). Extra keyword arguments are EngineConfig fields."""
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module = "smollm2-135m",
+        tokenizer: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **config_fields: Any,
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            from posttrain.models.hub import load_model
+
+            model, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
+            tokenizer = tokenizer or loaded_tokenizer
+        elif not isinstance(model, torch.nn.Module):
+            raise PosttrainError(f"model must be a name, a path or a model module, got {type(model).__name__}")
+        if config is not None and config_fields:
+            raise PosttrainError(f"pass either config= or EngineConfig fields ({', '.join(config_fields)}), not both")
+        if config is None:
+            try:
+                config = EngineConfig(**config_fields)
+            except TypeError as error:  # an unknown field name
+                raise PosttrainError(f"LLM: {error}") from None
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(model, tokenizer, config)
+        self._request_ids = itertools.count()
+
+    # ---- prompts ---------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string, a chat (list of messages) or token ids."""
+        if isinstance(prompt, str):
+            return prompt, self._need_tokenizer("a text prompt").encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            tokenizer = self._need_tokenizer("a chat prompt")
+            return None, list(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+            return None, prompt.tolist()
+        raise PosttrainError(f"a prompt must be a string, a list of chat messages or a list of token ids; got {prompt!r:.80}")
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise PosttrainError(f"{what} needs a tokenizer: pass tokenizer= to LLM, or give token ids")
+        return self.tokenizer
+
+    @staticmethod
+    def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        """One prompt or a list of them. A list of ints is one token prompt; a list of dicts one chat."""
+        if isinstance(prompts, str) or isinstance(prompts, torch.Tensor):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(p, (int, dict)) for p in prompts):
+            return [prompts]
+        return list(prompts)
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs in the order of the prompts. `params`: one for all, or one each."""
+        batch = self._as_batch(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(batch)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(batch):
+                raise PosttrainError(f"got {len(params_list)} SamplingParams for {len(batch)} prompts")
+        encoded = [self.encode_prompt(p) for p in batch]
+        ids = [f"gen-{next(self._request_ids)}" for _ in batch]
+        for request_id, (text, token_ids), sp in zip(ids, encoded, params_list):  # refuse bad requests up front
+            self.engine.check_request(request_id, token_ids, sp)
+        for request_id, (text, token_ids), sp in zip(ids, encoded, params_list):
+            self.engine.add_request(request_id, token_ids, sp, prompt=text)
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(batch), sum(sp.n for sp in params_list)) if use_tqdm else None
+        tokens_before = self.engine.num_generated_tokens
+        try:
+            while len(results) < len(batch):
+                for output in self.engine.step():
+                    results[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+                        tokens = self.engine.num_generated_tokens - tokens_before
+                        bar.set_postfix_str(f"tok/s={_rate(bar, tokens)}", refresh=False)
+                if not self.engine.has_unfinished_requests() and len(results) < len(batch):
+                    raise RuntimeError("engine finished without completing every request")
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[request_id] for request_id in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Generate for one prompt, yielding what each sample adds as it is produced. Text that could
+        still become a stop string is held back until it cannot (so a stop string never leaks)."""
+        from posttrain.engine.stop import safe_text_len
+
+        params = params or SamplingParams()
+        text, token_ids = self.encode_prompt(prompt)
+        request_id = f"stream-{next(self._request_ids)}"
+        self.engine.add_request(request_id, token_ids, params, prompt=text, stream=True)
+        sent_text = [0] * params.n
+        sent_tokens = [0] * params.n
+        done = [False] * params.n
+        try:
+            while not all(done):
+                outputs = self.engine.step()
+                for output in outputs:
+                    if output.request_id != request_id:
+                        continue
+                    for out in output.outputs:
+                        if done[out.index] or (not out.token_ids and not out.finished):
+                            continue
+                        visible = len(out.text) if out.finished else safe_text_len(out.text, params.stop)
+                        new_ids = out.token_ids[sent_tokens[out.index]:]
+                        delta = StreamDelta(
+                            request_id=request_id,
+                            index=out.index,
+                            text=out.text[sent_text[out.index]:visible],
+                            token_ids=new_ids,
+                            logprobs=out.logprobs[sent_tokens[out.index]:] if out.logprobs is not None else None,
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                            policy_version=out.policy_version,
+                        )
+                        sent_text[out.index] = max(sent_text[out.index], visible)
+                        sent_tokens[out.index] = len(out.token_ids)
+                        done[out.index] = out.finished
+                        if delta.text or delta.token_ids or delta.finished:
+                            yield delta
+                if not self.engine.has_unfinished_requests() and not all(done):
+                    raise RuntimeError("engine finished without completing the stream")
+        finally:
+            self.engine.abort_request(request_id)  # a no-op once finished; frees blocks if the caller stops early
+
+    # ---- weights and memory -----------------------------------------------------------------------
+
+    def weights_updated(self) -> int:
+        """Call after the module's weights change (an optimizer step, a LoRA merge): drops prefix-cache
+        entries computed under the old weights and bumps `policy_version`. Returns the new version."""
+        return self.engine.weights_updated()
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def sleep(self) -> None:
+        """Free the KV pool (e.g. while the trainer needs the memory)."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        """Allocate the KV pool again."""
+        self.engine.wake()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+
+def _progress_bar(num_prompts: int, num_samples: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=num_prompts, desc=f"generate ({num_samples} samples)", unit="prompt", dynamic_ncols=True)
+
+
+def _rate(bar: Any, tokens: int) -> str:
+    elapsed = bar.format_dict.get("elapsed") or 0
+    return f"{tokens / elapsed:.0f}" if elapsed else "-"

@@ -1,0 +1,366 @@
+"""LLMEngine: requests in (token ids), one scheduling + forward + sampling step at a time, outputs out.
+
+Text appears here only to apply stop strings and to fill `CompletionOutput.text` (through the
+tokenizer, when one is given); the scheduler, block manager and runner see token ids only.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.engine.block_manager import BlockManager
+from posttrain.engine.config import EngineConfig
+from posttrain.engine.outputs import CompletionOutput, RequestOutput
+from posttrain.engine.runner import ModelRunner
+from posttrain.engine.sampling import SamplingParams, make_generator
+from posttrain.engine.scheduler import Scheduler
+from posttrain.engine.sequence import Sequence
+from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
+from posttrain.errors import PosttrainError
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    seqs: list[Sequence | None]  # by sample index; filled as the first sequence forks
+    detokenizers: list[Any] = field(default_factory=list)  # by sample index, when text is tracked per step
+    texts: list[str | None] = field(default_factory=list)  # final text per sample, once finished
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(seq is not None and seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    """A continuous-batching engine over a live model module (it never copies the weights)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        model_cfg = model.config
+        self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        self.num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.config, self.num_blocks)
+        self.eos_token_ids = self._eos_token_ids()
+        self.policy_version = 0
+        self.requests: dict[str, _Request] = {}
+        self.asleep = False
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_processed_tokens = 0  # tokens through the model (prefill + decode), for throughput figures
+        self._seed_rng = random.Random(0)
+
+    # ---- sizing -----------------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        element = torch.empty(0, dtype=next(self.model.parameters()).dtype).element_size()
+        block_bytes = self.model.config.kv_bytes_per_token(element) * cfg.block_size
+        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * _free_device_memory(self.model))
+        num_blocks = budget // block_bytes
+        needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never useful
+        num_blocks = min(num_blocks, needed)
+        if num_blocks < 1:
+            raise PosttrainError(f"KV cache budget of {budget} bytes holds no {cfg.block_size}-token block "
+                                 f"({block_bytes} bytes); raise kv_cache_bytes or kv_cache_memory_fraction")
+        return num_blocks
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = getattr(self.tokenizer, "eos_token_ids", None)
+        if ids:
+            return set(ids)
+        eos = self.model.config.eos_token_id
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        stream: bool = False,
+    ) -> None:
+        """Queue a request. With stream=True, `step()` reports it after every step that gives it tokens
+        (cumulative outputs); otherwise only when it finishes."""
+        params = params or SamplingParams()
+        self.check_request(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, self._generator(params, 0), num_forks=params.n - 1)
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, stream, [seq] + [None] * (params.n - 1))
+        request.texts = [None] * params.n
+        request.detokenizers = [None] * params.n
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise PosttrainError for a request that is malformed or could never run to completion."""
+        if self.asleep:
+            raise PosttrainError("the engine is asleep (its KV pool is freed): call wake() first")
+        if request_id in self.requests:
+            raise PosttrainError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if not isinstance(params, SamplingParams):
+            raise PosttrainError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
+        n_tokens = len(prompt_token_ids)
+        if n_tokens == 0:
+            raise PosttrainError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PosttrainError(f"request {request_id!r}: prompt token id {bad!r} is not in [0, {vocab})")
+        if n_tokens >= self.max_model_len:
+            raise PosttrainError(f"request {request_id!r}: prompt of {n_tokens} tokens leaves no room to generate "
+                                 f"within max_model_len={self.max_model_len}")
+        if params.n > self.config.max_num_seqs:
+            raise PosttrainError(f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise PosttrainError(f"request {request_id!r}: stop strings need a tokenizer (the engine has none)")
+        longest = min(n_tokens + (params.max_tokens or self.max_model_len), self.max_model_len)
+        blocks = self.block_manager.blocks_for_tokens(longest)
+        if blocks > self.num_blocks:
+            raise PosttrainError(
+                f"request {request_id!r} can never fit: one sample needs up to {blocks} KV blocks "
+                f"({n_tokens} prompt + {longest - n_tokens} new tokens) but the pool has {self.num_blocks}; "
+                f"give the engine more KV memory (num_kv_blocks / kv_cache_bytes) or lower max_tokens")
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None  # drawn together with the other unseeded rows from torch's default generator
+        return make_generator(params.seed + index, self.runner.device)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report finished (and streaming) requests."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.has_unfinished():  # cannot happen: check_request refuses what cannot fit
+                raise RuntimeError("engine stalled: no sequence could be scheduled")
+            return []
+        try:
+            logits = self.runner.execute(batch)  # (R, V)
+        except BaseException:
+            # Blocks published for this step hold no valid K/V now.
+            self.block_manager.reset_prefix_cache()
+            raise
+        self.num_steps += 1
+        self.num_processed_tokens += batch.num_batched_tokens
+        groups: list[list[Sequence]] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_cached_tokens += num_new
+            if seq.num_cached_tokens == seq.num_tokens:
+                groups.append([seq, *self._fork(seq)] if seq.num_forks else [seq])
+        if not groups:
+            return []
+        drawn = self.runner.sample(logits, groups, self.eos_token_ids)
+        token_ids, logprobs = drawn.token_ids.tolist(), drawn.logprobs.tolist()
+        top = drawn.top_logprobs
+        touched: dict[str, _Request] = {}
+        for row, seq in enumerate(seq for group in groups for seq in group):
+            request = self.requests[seq.request_id]
+            self._append_token(request, seq, token_ids[row], logprobs[row], top[row] if top is not None else None)
+            touched[seq.request_id] = request
+        self.num_generated_tokens += len(token_ids)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+                outputs.append(self._request_output(request))
+            elif request.stream:
+                outputs.append(self._request_output(request))
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The parent ends its prefill: make its n-1 siblings, sharing every block of the prompt."""
+        request = self.requests[parent.request_id]
+        children = [parent.fork(i, self._generator(parent.params, i)) for i in range(1, parent.num_forks + 1)]
+        parent.num_forks = 0
+        self.scheduler.add_forks(parent, children)
+        for child in children:
+            request.seqs[child.index] = child
+        return children
+
+    def _append_token(self, request: _Request, seq: Sequence, token: int, logprob: float, top: Any) -> None:
+        params = seq.params
+        if seq.num_output_tokens == 0:
+            seq.policy_version = self.policy_version
+            if seq.index == 0:
+                request.num_cached_tokens = seq.num_cache_hit_tokens
+        seq.token_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        if top is not None:
+            seq.output_top_logprobs.append(top)
+        num_out = seq.num_output_tokens
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        stop_token = False
+        if num_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                reason, stop_token = "stop", True
+            elif token in params.stop_token_ids:
+                reason, stop_reason, stop_token = "stop", token, True
+        if reason is None and (num_out == params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        detok = self._detokenizer(request, seq)
+        if detok is not None:
+            delta = "" if stop_token else detok.add(token)  # a stop token's text is never shown
+            if reason is not None:
+                delta += detok.flush()  # the sequence ends: emit any held-back partial character
+            if params.stop and num_out >= params.min_tokens:
+                found = find_stop(detok.text, params.stop, len(delta))
+                if found is not None:
+                    request.texts[seq.index] = truncate_at_stop(detok.text, *found, params.include_stop_str_in_output)
+                    reason, stop_reason = "stop", found[1]
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+            if request.texts[seq.index] is None:
+                request.texts[seq.index] = self._final_text(request, seq, drop_last=stop_token)
+
+    def _detokenizer(self, request: _Request, seq: Sequence) -> Any:
+        """Text is tracked token by token only when needed: stop strings, or streaming."""
+        if self.tokenizer is None or not (seq.params.stop or request.stream):
+            return None
+        detok = request.detokenizers[seq.index]
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+            for token in seq.output_token_ids[:-1]:  # a fork arrives with its first token already appended
+                detok.add(token)
+            request.detokenizers[seq.index] = detok
+        return detok
+
+    def _final_text(self, request: _Request, seq: Sequence, drop_last: bool) -> str:
+        detok = request.detokenizers[seq.index]
+        if detok is not None:
+            return detok.text
+        if self.tokenizer is None:
+            return ""
+        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def current_text(self, request_id: str, index: int) -> str:
+        """The text of a running sample so far ('' without a tokenizer)."""
+        request = self.requests[request_id]
+        if request.texts[index] is not None:
+            return request.texts[index]
+        detok = request.detokenizers[index]
+        return detok.text if detok is not None else ""
+
+    def _request_output(self, request: _Request) -> RequestOutput:
+        want_logprobs = request.params.logprobs is not None and request.params.logprobs is not False
+        outputs = []
+        for index, seq in enumerate(request.seqs):
+            if seq is None:  # not forked yet
+                outputs.append(CompletionOutput(index, "", []))
+                continue
+            if request.texts[index] is not None:
+                text = request.texts[index]
+            else:
+                detok = request.detokenizers[index]
+                text = detok.text if detok is not None else ""
+            outputs.append(CompletionOutput(
+                index=index,
+                text=text,
+                token_ids=seq.output_token_ids,
+                logprobs=list(seq.output_logprobs) if want_logprobs else None,
+                top_logprobs=list(seq.output_top_logprobs) if request.params.num_top_logprobs else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                policy_version=seq.policy_version,
+            ))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             finished=request.finished, num_cached_tokens=request.num_cached_tokens)
+
+    # ---- weights and memory ---------------------------------------------------------------------------
+
+    def weights_updated(self) -> int:
+        """The module's weights changed in place: forget every cached prefix, recompute the K/V of running
+        sequences under the new weights, and bump the policy version. Returns the new version."""
+        self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()
+        self.runner.drop_graphs()  # captured graphs hold parameter addresses, which an update may change
+        self.policy_version += 1
+        return self.policy_version
+
+    def sleep(self) -> None:
+        """Free the KV pool (and the prefix cache with it). Only between requests."""
+        if self.requests:
+            raise PosttrainError(f"cannot sleep with {len(self.requests)} unfinished requests; finish or abort them")
+        if self.asleep:
+            return
+        self.block_manager.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Allocate the KV pool again (empty)."""
+        if not self.asleep:
+            return
+        self.runner.allocate_kv_cache()
+        self.asleep = False
+
+    # ---- numbers ----------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "processed_tokens": self.num_processed_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": bm.num_cache_hit_tokens,
+            "kv_blocks": self.num_blocks,
+            "free_kv_blocks": bm.num_free_blocks,
+        }
+
+
+def _free_device_memory(model: torch.nn.Module) -> int:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30  # no /proc: assume 4 GiB

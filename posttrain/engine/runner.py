@@ -1,0 +1,265 @@
+"""The model runner: a scheduled batch of sequences -> flat tensors -> the model's paged path -> samples.
+
+It owns the KV pool (one zero-initialised tensor per layer) and the device-side work of a step:
+copy-on-write block copies, the forward pass, projecting only the rows that sample, and sampling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.engine.config import EngineConfig
+from posttrain.engine.sampling import SampleOutput, SamplingRow, SamplingWorkspace, sample
+from posttrain.engine.scheduler import ScheduledBatch
+from posttrain.engine.sequence import Sequence
+from posttrain.errors import PosttrainError
+from posttrain.models.attention import PagedAttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """The flat tensors of one step (N new tokens across S sequences), on the model's device."""
+
+    input_ids: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,)
+    meta: PagedAttentionMetadata
+    sample_index: torch.Tensor  # (R,) row of the hidden states that each sampling sequence samples from
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+        self.model = model
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        self.kv_caches: list[torch.Tensor] | None = None
+        self.workspace = SamplingWorkspace()
+        if config.tune_cpu_allocator and self.device.type == "cpu":
+            tune_cpu_allocator()
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs:
+            if self.device.type != "cuda":
+                raise PosttrainError(f"cuda_graphs=True needs a model on a CUDA device (it is on {self.device})")
+            if (model.config.rope_scaling or {}).get("rope_type") == "dynamic":
+                raise PosttrainError("cuda_graphs=True does not support dynamic rope scaling (it syncs on positions)")
+        self.allocate_kv_cache()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ---- KV pool ----------------------------------------------------------------------------------
+
+    def allocate_kv_cache(self) -> None:
+        cfg = self.model.config
+        # With CUDA graphs one extra block, never handed out, takes the writes of padding rows.
+        num_blocks = self.num_blocks + (1 if self.config.cuda_graphs else 0)
+        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # Zeros, not empty: unused slots are masked, but 0 * NaN garbage would still poison the sums.
+        with torch.inference_mode():
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                              for _ in range(cfg.num_hidden_layers)]
+        if self.config.cuda_graphs:
+            max_blocks = -(-self.model_max_len // self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_blocks,
+                                       scratch_block=self.num_blocks, block_size=self.block_size)
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = None
+        self.graphs = None  # they point into the freed pool
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def drop_graphs(self) -> None:
+        """Forget captured graphs (they hold the addresses of the parameters); recaptured when next needed."""
+        if self.graphs is not None:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.graphs.max_seqs, self.graphs.max_blocks,
+                                       self.graphs.scratch_block, self.block_size)
+
+    @property
+    def model_max_len(self) -> int:
+        return self.config.max_model_len or self.model.config.max_position_embeddings
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's K/V in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        context_lens: list[int] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_cached_tokens
+            end = start + num_new
+            table = seq.block_table
+            if num_new == 1:  # decode: the hot path
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                sample_index.append(len(input_ids) - 1)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        device = self.device
+
+        def as_tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        meta = PagedAttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=as_tensor(slots),
+            block_tables=as_tensor(tables),
+            context_lens=as_tensor(context_lens),
+            query_lens=as_tensor(batch.num_new_tokens),
+            max_query_len=max(batch.num_new_tokens),
+        )
+        return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(sample_index))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the forward pass of one step; returns fp32 logits (R, V), one row per sequence of the batch
+        that reaches its last token (in batch order): the rows to sample from."""
+        self.copy_blocks(batch.blocks_to_copy)
+        inputs = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            hidden = self.graphs.run(inputs)  # (N, d)
+        else:
+            hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions, attn_meta=inputs.meta)  # (N, d)
+        if inputs.sample_index.numel() == 0:
+            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        return self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, groups: list[list[Sequence]], eos_token_ids: set[int]) -> SampleOutput:
+        """groups[i]: the sequences that draw from logits row i (a parent ending its prefill and its forks
+        draw n tokens from one row). Returns one draw per sequence, in the flattened order of groups."""
+        counts = [len(group) for group in groups]
+        if any(c != 1 for c in counts):
+            repeat = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(counts)).to(logits.device)
+            logits = logits.index_select(0, repeat)  # (sum(counts), V)
+        rows = [
+            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, eos_token_ids)
+            for group in groups for seq in group
+        ]
+        return sample(logits, rows, self.workspace)
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward pass (one new token per sequence), captured lazily per
+    (batch bucket, block-table width bucket). Inputs are copied into static buffers; rows that pad the
+    batch up to its bucket write their K/V into a scratch block and attend only it.
+
+    Not exercised by the CPU test suite: enable with EngineConfig(cuda_graphs=True) on CUDA only.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_seqs: int, max_blocks: int,
+                 scratch_block: int, block_size: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_seqs, self.max_blocks = max_seqs, max_blocks
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * block_size
+        device = kv_caches[0].device
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(max_seqs, **long)
+        self.positions = torch.zeros(max_seqs, **long)
+        self.slot_mapping = torch.full((max_seqs,), self.scratch_slot, **long)
+        self.context_lens = torch.ones(max_seqs, **long)
+        self.query_lens = torch.ones(max_seqs, **long)
+        self.block_tables = torch.full((max_seqs, max_blocks), scratch_block, **long)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return 1 << max(0, (n - 1).bit_length())
+
+    def can_run(self, meta: PagedAttentionMetadata) -> bool:
+        S, W = meta.block_tables.shape
+        return meta.max_query_len == 1 and S <= self.max_seqs and W <= self.max_blocks
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.meta
+        S, W = meta.block_tables.shape
+        Sb, Wb = min(self.bucket(S), self.max_seqs), min(self.bucket(W), self.max_blocks)
+        self.input_ids[:S].copy_(inputs.input_ids)
+        self.positions[:S].copy_(inputs.positions)
+        self.slot_mapping[:S].copy_(meta.slot_mapping)
+        self.context_lens[:S].copy_(meta.context_lens)
+        self.block_tables[:S, :W].copy_(meta.block_tables)
+        self.block_tables[:S, W:Wb].fill_(self.scratch_block)
+        # Rows S..Sb pad the bucket: position 0, context 1, their K/V in the scratch slot.
+        self.input_ids[S:Sb].zero_()
+        self.positions[S:Sb].zero_()
+        self.slot_mapping[S:Sb].fill_(self.scratch_slot)
+        self.context_lens[S:Sb].fill_(1)
+        self.block_tables[S:Sb, :Wb].fill_(self.scratch_block)
+        key = (Sb, Wb)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(Sb, Wb)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:S]
+
+    def _capture(self, Sb: int, Wb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        meta = PagedAttentionMetadata(self.kv_caches, self.slot_mapping[:Sb], self.block_tables[:Sb, :Wb],
+                                      self.context_lens[:Sb], self.query_lens[:Sb], max_query_len=1)
+
+        def forward() -> torch.Tensor:
+            return self.model.hidden_states(self.input_ids[:Sb], positions=self.positions[:Sb], attn_meta=meta)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (lazy cuBLAS / kernel init)
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = forward()
+        self.pool = graph.pool()
+        return graph, hidden
+
+
+_allocator_tuned = False
+
+
+def tune_cpu_allocator() -> None:
+    """glibc malloc: serve every allocation from the heap and never trim it, so the big temporaries of a
+    step reuse pages already mapped instead of page-faulting fresh ones (see EngineConfig)."""
+    global _allocator_tuned
+    if _allocator_tuned or os.name != "posix":
+        return
+    _allocator_tuned = True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt(M_MMAP_MAX, 0)
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # the largest int: return memory to the OS only past 2 GiB free

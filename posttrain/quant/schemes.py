@@ -1,0 +1,115 @@
+"""Quantization schemes: what a name like `int4-g128-asym` means, as data in one registry.
+
+A scheme fixes the weight format (bits, group size, symmetric or with a zero point) and whether the
+activations are quantized too (W8A8: per-token dynamic int8). Round-to-nearest throughout.
+
+Weight value of a stored code q (centred: q = code - 2**(bits-1)) in group g of output channel n:
+
+    w = q * scales[n, g]                      symmetric (q in [-qmax, qmax], qmax = 2**(bits-1) - 1)
+    w = q * scales[n, g] + zeros[n, g]        asymmetric (q in [-2**(bits-1), 2**(bits-1) - 1])
+
+The asymmetric zero point is a float in weight units (the value of the middle code, as llama.cpp's Q4_1
+`min` and torch's int4 kernels keep it), not an integer code: the group's minimum and maximum are then
+both on the grid, which an integer zero point cannot promise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.errors import PosttrainError
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    name: str
+    bits: int  # 8 or 4
+    group_size: int | None  # weights per scale along in_features; None = one group per output channel
+    symmetric: bool
+    activation_bits: int | None = None  # 8 = per-token dynamic int8 activations (W8A8); None = weight-only
+
+    def __post_init__(self) -> None:
+        if self.bits not in WEIGHT_BITS:
+            raise PosttrainError(f"scheme {self.name!r}: bits={self.bits} (supported: {sorted(WEIGHT_BITS)})")
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2
+        ):
+            raise PosttrainError(f"scheme {self.name!r}: group_size={self.group_size!r} must be an integer >= 2")
+        if self.activation_bits not in (None, 8):
+            raise PosttrainError(f"scheme {self.name!r}: activation_bits={self.activation_bits!r} (supported: 8)")
+        if self.activation_bits is not None and (self.bits != 8 or not self.symmetric or self.group_size is not None):
+            raise PosttrainError(f"scheme {self.name!r}: int8 activations need symmetric per-channel int8 weights")
+
+    @property
+    def mid(self) -> int:
+        """The code that stands for zero (symmetric) or for the zero point (asymmetric): 2**(bits-1)."""
+        return 1 << (self.bits - 1)
+
+    @property
+    def q_min(self) -> int:
+        """Smallest centred code: symmetric grids are kept symmetric ([-7, 7] for int4, [-127, 127] for int8)."""
+        return -(self.mid - 1) if self.symmetric else -self.mid
+
+    @property
+    def q_max(self) -> int:
+        return self.mid - 1
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """fp32 for per-channel scales (one per row: free); fp16 for group scales, where 32 bits per group of
+        32 would cost a whole bit per weight."""
+        return torch.float32 if self.group_size is None else torch.float16
+
+    def num_groups(self, in_features: int) -> int:
+        """Groups per row. A last group shorter than group_size is allowed (576 = 4 x 128 + 64)."""
+        return 1 if self.group_size is None else -(-in_features // self.group_size)
+
+    def effective_group_size(self, in_features: int) -> int:
+        return in_features if self.group_size is None else self.group_size
+
+    def to_config(self) -> dict:
+        """The `quantization_config` section of a saved model's config.json."""
+        return {
+            "quant_method": QUANT_METHOD,
+            "format_version": FORMAT_VERSION,
+            "scheme": self.name,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "activation_bits": self.activation_bits,
+            "int4_layout": INT4_LAYOUT if self.bits == 4 else None,
+            "scale_dtype": str(self.scale_dtype).removeprefix("torch."),
+            "modules_not_converted": ["lm_head", "embed_tokens"],
+        }
+
+
+WEIGHT_BITS = {8: torch.int8, 4: torch.uint8}  # bits -> storage dtype of `qweight`
+QUANT_METHOD = "posttrain"
+FORMAT_VERSION = 1
+INT4_LAYOUT = "tiles64"  # see `posttrain.quant.codec.pack_int4`
+
+
+def _int4(group: int, symmetric: bool) -> QuantScheme:
+    return QuantScheme(f"int4-g{group}" + ("" if symmetric else "-asym"), 4, group, symmetric)
+
+
+SCHEMES: dict[str, QuantScheme] = {
+    s.name: s
+    for s in (
+        QuantScheme("int8", 8, None, True),
+        QuantScheme("int8-asym", 8, None, False),
+        QuantScheme("w8a8", 8, None, True, activation_bits=8),
+        *(_int4(g, sym) for g in (32, 64, 128) for sym in (True, False)),
+    )
+}
+
+
+def get_scheme(scheme: str | QuantScheme) -> QuantScheme:
+    """A scheme by name (or a QuantScheme passed through), with the list of names on a miss."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise PosttrainError(f"unknown quantization scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+    return SCHEMES[scheme]

@@ -1,0 +1,7 @@
+"""Trainers: each a config dataclass plus a loop over shared pieces (no base class).
+
+Shared pieces: `sections` (model / optim / train config sections), `optim` (AdamW groups, clipping,
+the optimizer step), `schedule` (warmup + cosine / linear / constant), `accumulate` (gradient
+accumulation with one normaliser), `loop` (seeding, batch stream, the step loop with progress and
+metrics), `checkpoint` (step-N and final HF saves).
+"""

@@ -1,0 +1,254 @@
+"""Knowledge distillation: a student trained toward a frozen teacher's next-token distributions.
+
+The loss is a token-level divergence from `posttrain.algos.distill.DISTILL_LOSSES` (forward_kl,
+reverse_kl, jsd with `beta`), at completion positions only, summed and divided by the completion
+tokens of the whole optimizer step (as SFT normalises). Both models see the same token ids, so they
+must share the tokenizer: the vocabularies are compared id by id before anything is trained.
+
+Where the completions come from (`mode`):
+- off_policy: the dataset's completions (prompt/completion, chat, or a pair's chosen), with the SFT
+  completion masks. Supervised KD (forward KL on data) and SeqKD-style runs.
+- on_policy: the student samples completions for the training rows' prompts with the rollout engine,
+  which runs over the live student module; after each optimizer step `llm.weights_updated()`, so
+  the next samples come from the updated student. GKD (Agarwal et al. 2024) with lambda = 1.
+
+Held-out evaluation: the mean divergence on held-out dataset completions (eval_loss), before the
+first step and after the last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from posttrain.algos.distill import DISTILL_LOSSES
+from posttrain.data.collate import Batch, collate
+from posttrain.data.config import DataConfig
+from posttrain.data.dataset import build_sft_rows, split_holdout
+from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
+from posttrain.data.validate import DataError
+from posttrain.engine import LLM, EngineConfig, SamplingParams
+from posttrain.errors import PosttrainError
+from posttrain.metrics import MetricsLogger
+from posttrain.models.hub import load_model
+from posttrain.models.transformer import Transformer
+from posttrain.run_dir import make_run_dir
+from posttrain.trainers.accumulate import accumulate_gradients
+from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
+from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+
+logger = logging.getLogger("posttrain.trainers")
+
+
+class VocabMismatchError(PosttrainError):
+    """Teacher and student do not share a tokenizer / vocabulary."""
+
+
+@dataclass
+class TeacherSection:
+    name_or_path: str = ""  # HF directory, .gguf file or known name; must share the student's tokenizer
+    dtype: str | None = None  # default: the student's compute dtype
+
+    def validate(self) -> None:
+        if not self.name_or_path:
+            raise ValueError("name_or_path: a teacher model is required (teacher.name_or_path=...)")
+
+
+@dataclass
+class DistillConfig:
+    model: ModelSection = field(default_factory=ModelSection)  # the student
+    teacher: TeacherSection = field(default_factory=TeacherSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
+    train: TrainSection = field(default_factory=TrainSection)
+    loss: str = "forward_kl"  # one of DISTILL_LOSSES: forward_kl reverse_kl jsd
+    beta: float = 0.5  # jsd only: weight of the teacher in the mixture (0: forward KL, 1: reverse KL)
+    temperature: float = 1.0  # softmax temperature of both models in the divergence
+    mode: Literal["off_policy", "on_policy"] = "off_policy"
+    max_new_tokens: int = 64  # on_policy: tokens the student samples per prompt
+    sample_temperature: float = 1.0  # on_policy: the student's sampling temperature
+    out: str | None = None  # the run directory; default runs/distill-<timestamp>
+
+    def validate(self) -> None:
+        if self.loss not in DISTILL_LOSSES:
+            raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(DISTILL_LOSSES)})")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.sample_temperature < 0:
+            raise ValueError(f"sample_temperature must be >= 0, got {self.sample_temperature}")
+
+    def loss_kwargs(self) -> dict[str, float]:
+        return {"temperature": self.temperature, **({"beta": self.beta} if self.loss == "jsd" else {})}
+
+
+# ----------------------------------------------------------------------------- checks and pieces
+
+
+def check_shared_vocab(student: Transformer, student_tok: Any, teacher: Transformer, teacher_tok: Any,
+                       student_name: str, teacher_name: str) -> None:
+    """Raise VocabMismatchError unless both models have the same logit width and tokenizers with the same id -> token map."""
+    sv, tv = student.config.vocab_size, teacher.config.vocab_size
+    if sv != tv:
+        raise VocabMismatchError(f"teacher {teacher_name} has {tv} logits per token, student {student_name} has {sv}: "
+                                 "distillation needs one shared vocabulary")
+    if student_tok.vocab_size != teacher_tok.vocab_size:
+        raise VocabMismatchError(f"teacher tokenizer ({teacher_name}) has {teacher_tok.vocab_size} tokens, student's "
+                                 f"({student_name}) {student_tok.vocab_size}: they must share a tokenizer")
+    ids = list(range(student_tok.vocab_size))
+    for i, (a, b) in enumerate(zip(student_tok.convert_ids_to_tokens(ids), teacher_tok.convert_ids_to_tokens(ids))):
+        if a != b:
+            raise VocabMismatchError(f"teacher and student tokenizers differ at id {i}: student {a!r}, teacher {b!r} "
+                                     f"({student_name} vs {teacher_name}); they must share a tokenizer")
+
+
+def divergence_sum(student: Transformer, teacher: Transformer, batch: Batch, loss: str, kwargs: dict[str, float]) -> torch.Tensor:
+    """Summed per-token divergence over the batch's completion targets (float32 scalar)."""
+    keep = batch.targets != IGNORE_INDEX  # (B, T)
+    student_logits = student.logits(student.hidden_states(batch.input_ids, **batch.model_kwargs())[keep])  # (N, V)
+    with torch.no_grad():
+        teacher_logits = teacher.logits(teacher.hidden_states(batch.input_ids, **batch.model_kwargs())[keep])  # (N, V)
+    return DISTILL_LOSSES[loss](student_logits, teacher_logits, **kwargs).sum()
+
+
+def prompt_of(row: TokenizedRow) -> list[int]:
+    """The ids before a row's first label: its prompt as the chat template renders it (generation header included)."""
+    start = next((i for i, label in enumerate(row.labels) if label != IGNORE_INDEX), len(row))
+    return row.input_ids[:start]
+
+
+def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams) -> list[TokenizedRow]:
+    """Prompt + student sample as rows labelled on the sampled tokens (an empty sample is dropped)."""
+    rows = []
+    for prompt, out in zip(prompts, llm.generate(list(prompts), params)):
+        completion = out.outputs[0].token_ids
+        if completion:
+            rows.append(TokenizedRow(list(prompt) + list(completion), [IGNORE_INDEX] * len(prompt) + list(completion)))
+    return rows
+
+
+@torch.no_grad()
+def evaluate_divergence(student: Transformer, teacher: Transformer, rows: list[TokenizedRow], cfg: DistillConfig,
+                        pad_id: int) -> dict[str, float]:
+    was_training = student.training
+    student.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(rows), cfg.train.batch_size):
+        batch = collate(rows[start : start + cfg.train.batch_size], pad_id).to(student.device)
+        total += float(divergence_sum(student, teacher, batch, cfg.loss, cfg.loss_kwargs()))
+        count += batch.num_targets
+    student.train(was_training)
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def train_distill(cfg: DistillConfig) -> Path:
+    """Distill `cfg.teacher` into `cfg.model`; returns the run directory (final/ is the student)."""
+    cfg.validate()
+    cfg.teacher.validate()
+    seed_everything(cfg.train.seed)
+    student, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    teacher, teacher_tok = load_model(cfg.teacher.name_or_path, dtype=cfg.teacher.dtype or student.dtype,
+                                      device=student.device)
+    check_shared_vocab(student, tokenizer, teacher, teacher_tok, cfg.model.name_or_path, cfg.teacher.name_or_path)
+    teacher.eval().requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+
+    loaded = build_sft_rows(cfg.data, tokenizer)
+    report: dict[str, Any] = {"path": cfg.data.path, "format": loaded.format, "rows_read": loaded.rows_read,
+                              "rows_kept": len(loaded.rows), "bad_rows": [vars(b) for b in loaded.bad_rows]}
+    rows, eval_rows = split_holdout(loaded.rows, cfg.data.eval_fraction, cfg.train.seed)
+    if cfg.data.eval_path:
+        eval_rows = build_sft_rows(cfg.data, tokenizer, path=cfg.data.eval_path).rows
+    prompts: list[list[int]] = []
+    if cfg.mode == "on_policy":  # the training rows' prompts: held-out rows stay unseen
+        prompts = [p for p in map(prompt_of, rows) if p and len(p) + cfg.max_new_tokens <= cfg.data.max_length]
+        if not prompts:
+            raise DataError(f"{cfg.data.path}: no training row has a prompt that leaves room for max_new_tokens="
+                            f"{cfg.max_new_tokens} within data.max_length={cfg.data.max_length} (on-policy "
+                            "distillation needs prompt/completion, chat or preference rows)")
+        report["prompts"] = len(prompts)
+
+    train_cfg, optim_cfg = cfg.train, cfg.optim
+    per_step = train_cfg.batch_size * train_cfg.grad_accum
+    units = len(prompts) if cfg.mode == "on_policy" else len(rows)
+    max_steps = train_cfg.max_steps or steps_for_epochs(units, train_cfg.epochs, per_step)
+    run_dir = make_run_dir("distill", cfg.out, cfg)
+    (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    logger.info("distill (%s, %s): %d %s, %d held-out rows; %d steps of %d; run dir %s", cfg.loss, cfg.mode, units,
+                "prompts" if cfg.mode == "on_policy" else "rows", len(eval_rows), max_steps, per_step, run_dir)
+
+    student.train()
+    optimizer = build_optimizer(student, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
+    )
+    kwargs = cfg.loss_kwargs()
+    llm: LLM | None = None
+    if cfg.mode == "on_policy":
+        blocks = train_cfg.batch_size * (math.ceil(cfg.data.max_length / 16) + 1) + 8
+        llm = LLM(model=student, tokenizer=tokenizer, config=EngineConfig(
+            num_kv_blocks=blocks, max_model_len=cfg.data.max_length, max_num_seqs=train_cfg.batch_size,
+            max_num_batched_tokens=max(2048, cfg.data.max_length)))
+        params = SamplingParams(temperature=cfg.sample_temperature, max_tokens=cfg.max_new_tokens)
+        prompt_stream = batch_stream(prompts, train_cfg.batch_size, seed=train_cfg.seed)
+    else:
+        row_stream = batch_stream(rows, train_cfg.batch_size, seed=train_cfg.seed)
+
+    def next_rows() -> list[TokenizedRow]:
+        if llm is None:
+            return next(row_stream)
+        student.eval()
+        sampled = sampled_rows(llm, next(prompt_stream), params)
+        student.train()
+        return sampled
+
+    def step_fn(step: int) -> dict[str, float]:
+        batches = [collate(r, pad_id).to(student.device) for r in (next_rows() for _ in range(train_cfg.grad_accum)) if r]
+        targets = sum(b.num_targets for b in batches)
+        if not batches or targets == 0:
+            logger.warning("distill: step %d has no completion tokens (every sample was empty); skipped", step + 1)
+            optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+            return {"loss": 0.0, "tokens": 0, "loss_tokens": 0, "empty_step": 1}
+        out = accumulate_gradients(
+            batches, lambda b: (divergence_sum(student, teacher, b, cfg.loss, kwargs), {"tokens": b.num_tokens}), targets)
+        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+        if llm is not None:
+            llm.weights_updated()  # the next samples come from the updated student
+        return {**out, "grad_norm": grad_norm, "loss_tokens": targets}
+
+    eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id)) if eval_rows else None
+    with MetricsLogger(run_dir) as metrics:
+        if eval_fn is not None:
+            before = eval_fn()
+            metrics.log(0, before)
+            logger.info("distill: held-out %s before training %.4f", cfg.loss, before["eval_loss"])
+        last = run_steps(
+            step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
+            save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
+            save_fn=lambda step: save_checkpoint(student, tokenizer, run_dir, step, keep_last=train_cfg.keep_checkpoints),
+            progress=train_cfg.progress, desc=f"distill[{cfg.loss}]",
+        )
+        if eval_fn is not None:
+            logger.info("distill: held-out %s after training %.4f", cfg.loss, last["eval_loss"])
+    student.eval()
+    save_final(student, tokenizer, run_dir)
+    return run_dir

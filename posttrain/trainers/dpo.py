@@ -1,0 +1,381 @@
+"""The DPO family (sigmoid, cdpo, robust, hinge, ipo, simpo, orpo, kto) on preference pairs.
+
+One step: every pair of the micro-batch is collated as 2B right-padded rows (chosen rows, then
+rejected rows) and goes through ONE forward; sequence log-probabilities are the sums of the
+completion tokens' log-probs (LM head applied only at completion positions). The loss is picked
+from `posttrain.algos.preference.PREFERENCE_LOSSES` by `loss:` and gets the tensors it names.
+
+Reference log-probs (not for simpo / orpo, which are reference-free):
+- `reference: precompute` — one no-grad pass of the initial model over every train and held-out
+  pair before the first step; training then needs one model in memory.
+- `reference: live` — a frozen copy of the initial model computes them for each batch.
+Both give the same numbers (the reference is the initial policy either way).
+
+KTO on pairs: each pair is unpaired into a desirable (chosen) and an undesirable (rejected) example
+(TRL's `unpair_preference_dataset`); the KL reference point uses mismatched rows, the prompt of pair
+i with the chosen completion of pair i+1 of the same split (fixed, so it can be precomputed).
+
+Loss normalisation: each loss is a mean over its pairs; a micro-batch contributes mean * pairs, and
+the step divides by all pairs of the step, so grad_accum splits give the batch-mean gradient.
+
+Held-out evaluation (before the first step and at the end, plus every `train.eval_every`):
+`eval_reward_accuracy` is the share of held-out pairs whose implicit reward (beta log pi/pi_ref;
+beta * mean logp for simpo / orpo) is higher for chosen, ties (|difference| <= 1e-4) counted as
+half — so the untrained policy, whose DPO implicit rewards are all 0, scores 0.5, not 0.
+`eval_logp_accuracy` compares the per-token mean logps of chosen and rejected (informative before
+training too).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from posttrain.algos.logprobs import token_logprobs
+from posttrain.algos.preference import PREFERENCE_LOSSES
+from posttrain.data.collate import Batch, collate
+from posttrain.data.config import DataConfig
+from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
+from posttrain.data.validate import DataError
+from posttrain.metrics import MetricsLogger
+from posttrain.models.hub import load_model
+from posttrain.models.transformer import Transformer
+from posttrain.run_dir import make_run_dir
+from posttrain.trainers.accumulate import accumulate_gradients
+from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
+from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_row
+from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+
+logger = logging.getLogger("posttrain.trainers")
+
+REFERENCE_FREE = ("simpo", "orpo")
+# Implicit-reward differences this small are ties: the reference pass batches and pads differently from the
+# policy pass, so an untrained policy's "zero" margins carry float rounding of this order, not a preference.
+TIE_TOLERANCE = 1e-4
+LOSS_OPTIONS = ("beta", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight")
+
+
+@dataclass
+class DPOConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-7, warmup_ratio=0.1))
+    train: TrainSection = field(default_factory=TrainSection)
+    loss: str = "sigmoid"  # one of PREFERENCE_LOSSES: sigmoid cdpo robust hinge ipo simpo orpo kto
+    reference: Literal["precompute", "live"] = "precompute"  # ignored by simpo / orpo
+    # Loss options; null: the loss function's own default. Each is only accepted by the losses that take it.
+    beta: float | None = None
+    label_smoothing: float | None = None  # cdpo, robust, simpo
+    gamma: float | None = None  # simpo's target margin
+    desirable_weight: float | None = None  # kto
+    undesirable_weight: float | None = None  # kto
+    out: str | None = None  # the run directory; default runs/dpo-<timestamp>
+
+    def validate(self) -> None:
+        if self.loss not in PREFERENCE_LOSSES:
+            raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(PREFERENCE_LOSSES)})")
+        accepted = inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters
+        for name in LOSS_OPTIONS:
+            if getattr(self, name) is not None and name not in accepted:
+                raise ValueError(f"{name}: not an option of loss {self.loss!r}")
+        if self.beta is not None and not self.beta > 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
+        if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
+            raise ValueError("train.eval_every is set but there is no eval data (data.eval_path or data.eval_fraction)")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss not in REFERENCE_FREE
+
+    def loss_options(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in LOSS_OPTIONS if getattr(self, name) is not None}
+
+    def effective_beta(self) -> float:
+        return self.beta if self.beta is not None else inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters["beta"].default
+
+
+# ----------------------------------------------------------------------------- log-probabilities
+
+
+def collate_pairs(pairs: Sequence[PairRow], pad_token_id: int) -> Batch:
+    """2B rows: the chosen sequences of `pairs`, then their rejected sequences."""
+    return collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id)
+
+
+def sequence_logps(model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of completion-token logps (R,) float32, completion tokens (R,) long) for each row.
+
+    The LM head runs on completion positions only: (N, V) logits for the N targets of the batch.
+    """
+    hidden = model.hidden_states(batch.input_ids, **batch.model_kwargs())  # (R, T, d)
+    keep = batch.targets != IGNORE_INDEX  # (R, T)
+    logits = model.logits(hidden[keep])  # (N, V) fp32
+    per_token = token_logprobs(logits[None], batch.targets[keep][None])[0]  # (N,)
+    rows = keep.nonzero()[:, 0]  # (N,) row of each target
+    logps = torch.zeros(keep.shape[0], dtype=per_token.dtype, device=per_token.device).index_add(0, rows, per_token)
+    return logps, keep.sum(1)  # (R,), (R,)
+
+
+@torch.no_grad()
+def frozen_logps(model: Transformer, rows: Sequence[TokenizedRow], batch_size: int, pad_token_id: int) -> torch.Tensor:
+    """Summed completion logps of `rows` under `model`, without gradients: (len(rows),) on CPU."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        batch = collate(rows[start : start + batch_size], pad_token_id).to(model.device)
+        out.append(sequence_logps(model, batch)[0].cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def kl_rows(pairs: Sequence[PairRow], max_length: int) -> list[TokenizedRow]:
+    """KTO's mismatched rows: prompt of pair i + chosen completion of pair (i + 1) mod n."""
+    if len(pairs) < 2:
+        raise DataError("kto needs at least two pairs per split for its KL reference point")
+    return [mismatched_row(pairs[i], pairs[(i + 1) % len(pairs)], max_length) for i in range(len(pairs))]
+
+
+class Reference:
+    """Reference logps of the pairs of a split, by pair index: a precomputed table or a live frozen model.
+
+    `logps(split, idx, batch)` -> (ref chosen (B,), ref rejected (B,), ref KL rows (B,) or None), on the batch's device.
+    """
+
+    def __init__(self, mode: str, policy: Transformer, splits: dict[str, list[PairRow]], batch_size: int,
+                 pad_token_id: int, kto_max_length: int | None) -> None:
+        self.mode, self.pad_token_id, self.splits = mode, pad_token_id, splits
+        self.kl = {name: kl_rows(p, kto_max_length) for name, p in splits.items() if p} if kto_max_length else {}
+        self.model: Transformer | None = None
+        self.table: dict[str, dict[str, torch.Tensor]] = {}
+        if mode == "live":
+            self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        else:
+            for name, pairs in splits.items():
+                if not pairs:
+                    continue
+                entry = {"chosen": frozen_logps(policy, [p.chosen for p in pairs], batch_size, pad_token_id),
+                         "rejected": frozen_logps(policy, [p.rejected for p in pairs], batch_size, pad_token_id)}
+                if name in self.kl:
+                    entry["kl"] = frozen_logps(policy, self.kl[name], batch_size, pad_token_id)
+                self.table[name] = entry
+
+    def logps(self, split: str, idx: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        device = batch.input_ids.device
+        if self.model is None:
+            t = self.table[split]
+            index = torch.tensor(list(idx))
+            kl = t["kl"][index].to(device) if "kl" in t else None
+            return t["chosen"][index].to(device), t["rejected"][index].to(device), kl
+        with torch.no_grad():
+            both = sequence_logps(self.model, batch)[0]  # (2B,)
+        kl = None
+        if split in self.kl:
+            kl = frozen_logps(self.model, [self.kl[split][i] for i in idx], len(idx), self.pad_token_id).to(device)
+        half = len(idx)
+        return both[:half], both[half:], kl
+
+
+def preference_loss(
+    cfg: DPOConfig, policy: torch.Tensor, lengths: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None, policy_kl: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The configured loss on one micro-batch. policy, lengths: (2B,) chosen then rejected."""
+    half = policy.shape[0] // 2
+    available: dict[str, Any] = {
+        "policy_chosen_logps": policy[:half], "policy_rejected_logps": policy[half:],
+        "chosen_lengths": lengths[:half].to(policy.dtype), "rejected_lengths": lengths[half:].to(policy.dtype),
+    }
+    if ref is not None:
+        available.update(ref_chosen_logps=ref[0], ref_rejected_logps=ref[1])
+    if cfg.loss == "kto":
+        assert ref is not None
+        available = {"policy_logps": policy, "ref_logps": torch.cat([ref[0], ref[1]]),
+                     "desirable": torch.arange(2 * half, device=policy.device) < half,
+                     "policy_kl_logps": policy_kl, "ref_kl_logps": ref[2]}
+    fn = PREFERENCE_LOSSES[cfg.loss]
+    params = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in available.items() if k in params}
+    return fn(**kwargs, **cfg.loss_options())
+
+
+def implicit_rewards(cfg: DPOConfig, policy: torch.Tensor, lengths: torch.Tensor, ref: tuple | None) -> torch.Tensor:
+    """(2B,) implicit reward of every row: beta log pi/pi_ref, or beta * mean logp when reference-free."""
+    beta = cfg.effective_beta()
+    if ref is None:
+        return beta * policy / lengths.clamp(min=1).to(policy.dtype)
+    return beta * (policy - torch.cat([ref[0], ref[1]]))
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class _Sums:
+    """Metric sums over the micro-batches of a step (or an evaluation), weighted by pairs."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, torch.Tensor | float], weight: float) -> None:
+        for key, value in metrics.items():
+            self.values[key] = self.values.get(key, 0.0) + float(value) * weight
+            self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        return {k: v / self.weights[k] for k, v in self.values.items() if self.weights[k] > 0}
+
+
+def _nll_parts(policy: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    half = policy.shape[0] // 2
+    return {"nll_sum/chosen": -float(policy[:half].sum()), "nll_sum/rejected": -float(policy[half:].sum()),
+            "tokens/chosen": float(lengths[:half].sum()), "tokens/rejected": float(lengths[half:].sum())}
+
+
+def _finish_nll(raw: dict[str, float]) -> dict[str, float]:
+    out = {k: v for k, v in raw.items() if not k.startswith(("nll_sum/", "tokens/"))}
+    for side in ("chosen", "rejected"):
+        if f"tokens/{side}" in raw:
+            out[f"nll/{side}"] = raw[f"nll_sum/{side}"] / max(raw[f"tokens/{side}"], 1.0)
+    return out
+
+
+class DPORun:
+    """The pieces a DPO run holds; `step` and `evaluate` are what the loop calls."""
+
+    def __init__(self, cfg: DPOConfig, model: Transformer, train: list[PairRow], held: list[PairRow], pad_id: int) -> None:
+        self.cfg, self.model, self.train, self.held, self.pad_id = cfg, model, train, held, pad_id
+        kto_len = cfg.data.max_length if cfg.loss == "kto" else None
+        self.reference = (Reference(cfg.reference, model, {"train": train, "eval": held}, cfg.train.batch_size,
+                                    pad_id, kto_len) if cfg.uses_reference else None)
+
+    def _forward(self, split: str, idx: Sequence[int], grad: bool) -> tuple[
+            torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, tuple | None]:
+        """(loss, loss metrics, policy logps (2B,), completion lengths (2B,), reference logps or None)."""
+        pairs = self.train if split == "train" else self.held
+        batch = collate_pairs([pairs[i] for i in idx], self.pad_id).to(self.model.device)
+        with torch.set_grad_enabled(grad):
+            policy, lengths = sequence_logps(self.model, batch)  # (2B,), (2B,)
+        ref = self.reference.logps(split, idx, batch) if self.reference is not None else None
+        policy_kl = None
+        if self.cfg.loss == "kto":
+            kl_rows_ = [self.reference.kl[split][i] for i in idx]  # type: ignore[union-attr]
+            policy_kl = frozen_logps(self.model, kl_rows_, len(idx), self.pad_id).to(policy.device)
+        loss, metrics = preference_loss(self.cfg, policy, lengths, ref, policy_kl)
+        return loss, metrics, policy, lengths, ref
+
+    def step(self, micro_batches: list[list[int]]) -> dict[str, float]:
+        sums = _Sums()
+        nll: dict[str, float] = {}
+        tokens = 0
+
+        def loss_sum(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+            nonlocal tokens
+            loss, metrics, policy, lengths, _ = self._forward("train", idx, grad=True)
+            sums.add(metrics, len(idx))
+            for k, v in _nll_parts(policy.detach(), lengths).items():
+                nll[k] = nll.get(k, 0.0) + v
+            tokens += sum(len(self.train[i].chosen) + len(self.train[i].rejected) for i in idx)
+            return loss * len(idx), {}
+
+        pairs = sum(len(m) for m in micro_batches)
+        out = accumulate_gradients(micro_batches, loss_sum, pairs)
+        return {"loss": out["loss"], **sums.means(), **_finish_nll(nll), "pairs": pairs, "tokens": tokens}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        sums, nll = _Sums(), {}
+        wins, logp_wins = 0.0, 0.0
+        size = self.cfg.train.batch_size
+        for start in range(0, len(self.held), size):
+            idx = list(range(start, min(start + size, len(self.held))))
+            loss, metrics, policy, lengths, ref = self._forward("eval", idx, grad=False)
+            sums.add({"loss": loss, **metrics}, len(idx))
+            for k, v in _nll_parts(policy, lengths).items():
+                nll[k] = nll.get(k, 0.0) + v
+            rewards = implicit_rewards(self.cfg, policy, lengths, ref)
+            half = len(idx)
+            diff = rewards[:half] - rewards[half:]  # (B,)
+            tie = diff.abs() <= TIE_TOLERANCE
+            wins += float((~tie & (diff > 0)).sum()) + 0.5 * float(tie.sum())
+            mean_logp = policy / lengths.clamp(min=1)
+            logp_wins += float((mean_logp[:half] > mean_logp[half:]).float().sum())
+        self.model.train(was_training)
+        n = max(len(self.held), 1)
+        means = _finish_nll(nll)
+        out = {"eval_" + k.replace("/", "_"): v for k, v in {**sums.means(), **means}.items()}
+        out.update(eval_reward_accuracy=wins / n, eval_logp_accuracy=logp_wins / n, eval_pairs=len(self.held))
+        return out
+
+
+def _write_report(run_dir: Path, report: dict[str, Any]) -> None:
+    (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: Any = None) -> Path:
+    """Train `cfg.model` (or the given module and tokenizer) on `cfg.data` pairs with `cfg.loss`; returns the
+    run directory (config.yaml, data_report.json, metrics.jsonl, checkpoints/, final/)."""
+    cfg.validate()
+    seed_everything(cfg.train.seed)
+    if model is None:
+        model, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    elif tokenizer is None:
+        raise ValueError("train_dpo: a model passed as a module needs its tokenizer")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    data = load_pairs(cfg.data, tokenizer, cfg.train.seed)
+    if cfg.loss == "kto" and len(data.train) < 2:
+        raise DataError("kto needs at least two training pairs")
+    train_cfg, optim_cfg = cfg.train, cfg.optim
+    per_step = train_cfg.batch_size * train_cfg.grad_accum
+    max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
+    run_dir = make_run_dir("dpo", cfg.out, cfg)
+    _write_report(run_dir, data.report)
+    logger.info("dpo (%s, reference %s): %d train / %d held-out pairs of %s (%d bad, skipped); %d steps of %d pairs; run dir %s",
+                cfg.loss, cfg.reference if cfg.uses_reference else "none", len(data.train), len(data.eval),
+                data.report["format"], len(data.report["bad_rows"]), max_steps, per_step, run_dir)
+
+    model.train()
+    run = DPORun(cfg, model, data.train, data.eval, pad_id)
+    optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
+    )
+    stream = batch_stream(range(len(data.train)), train_cfg.batch_size, seed=train_cfg.seed)
+
+    def step_fn(step: int) -> dict[str, float]:
+        out = run.step([next(stream) for _ in range(train_cfg.grad_accum)])
+        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+        return {**out, "grad_norm": grad_norm}
+
+    eval_fn = run.evaluate if data.eval else None
+    with MetricsLogger(run_dir) as metrics:
+        if eval_fn is not None:
+            before = eval_fn()
+            metrics.log(0, before)
+            logger.info("dpo: held-out before training: reward accuracy %.3f, logp accuracy %.3f (%d pairs)",
+                        before["eval_reward_accuracy"], before["eval_logp_accuracy"], len(data.eval))
+        last = run_steps(
+            step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
+            save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
+            save_fn=lambda step: save_checkpoint(model, tokenizer, run_dir, step, keep_last=train_cfg.keep_checkpoints),
+            progress=train_cfg.progress, desc=f"dpo[{cfg.loss}]",
+        )
+        if eval_fn is not None:
+            logger.info("dpo: held-out after training: reward accuracy %.3f, logp accuracy %.3f",
+                        last["eval_reward_accuracy"], last["eval_logp_accuracy"])
+    model.eval()
+    save_final(model, tokenizer, run_dir)
+    return run_dir

@@ -1,0 +1,80 @@
+"""AdamW with the usual parameter groups, and the optimizer step with gradient clipping."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("posttrain.trainers")
+
+FUSED_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps")  # where torch's fused AdamW kernel exists
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: matrices (decayed) and vectors (norm weights and biases: not decayed).
+
+    Frozen parameters are left out (so a LoRA model hands only its adapters to the optimizer), and a
+    parameter shared by two modules (tied embeddings / LM head) appears once.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():  # yields each shared parameter once
+        if not param.requires_grad:
+            continue
+        # Norm weights and biases are the 1-D parameters; embeddings and projections are decayed.
+        (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """torch AdamW over `param_groups`, fused when every parameter lives where the fused kernel does,
+    else the multi-tensor (foreach) implementation."""
+    groups = param_groups(model, weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    params = [p for g in groups for p in g["params"]]
+    fused = all(p.device.type in FUSED_DEVICE_TYPES and p.is_floating_point() for p in params)
+    impl = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **impl)
+
+
+def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None) -> float:
+    """Total gradient L2 norm before clipping; clips to `max_norm` unless it is None."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    limit = math.inf if max_norm is None else max_norm
+    return float(torch.nn.utils.clip_grad_norm_(grads, limit, foreach=True))
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    max_grad_norm: float | None,
+) -> tuple[float, bool]:
+    """Clip, step, advance the schedule, clear the gradients. Returns (grad_norm, applied).
+
+    A non-finite gradient norm (an overflow or a NaN loss) skips the update instead of writing NaN
+    into every weight; the schedule still advances so the step count stays honest.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = clip_gradients(params, max_grad_norm)
+    applied = math.isfinite(grad_norm)
+    if applied:
+        optimizer.step()
+    else:
+        logger.warning("non-finite gradient norm (%s): update skipped", grad_norm)
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, applied

@@ -1,0 +1,180 @@
+"""Reward model: a scalar head on the decoder trunk, trained with the Bradley-Terry loss on pairs.
+
+The score of a sequence is head(final-norm hidden state of its last token), exactly what
+`posttrain.rewards.model_reward.RewardModelScorer` computes, and sequences are tokenized with the
+scorer's own `encode_for_scoring` (a sequence over `data.max_length` is skipped, or with
+`data.overlong: truncate` keeps its last max_length tokens, as the scorer does). The run's `final/`
+(and every checkpoint) is an HF directory plus `score.safetensors`, which `RewardModelScorer(dir)`
+and the RL trainer's model reward load as is.
+
+Chosen and rejected sequences of a micro-batch go through one forward (2B right-padded rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.algos.reward import bradley_terry_loss
+from posttrain.data.collate import collate
+from posttrain.data.config import DataConfig
+from posttrain.data.formats import Preference
+from posttrain.data.tokenize import TokenizedRow
+from posttrain.data.validate import DataError, RowError
+from posttrain.metrics import MetricsLogger
+from posttrain.models.hub import load_model
+from posttrain.models.transformer import Transformer
+from posttrain.rewards.model_reward import encode_for_scoring, save_score_head
+from posttrain.run_dir import final_dir, make_run_dir
+from posttrain.trainers.accumulate import accumulate_gradients
+from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
+from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.preference_data import PairRow, load_pairs
+from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+
+logger = logging.getLogger("posttrain.trainers")
+
+
+@dataclass
+class RMConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_ratio=0.05))
+    train: TrainSection = field(default_factory=TrainSection)
+    center_rewards_coefficient: float = 0.0  # > 0: add c * mean((r_w + r_l)^2)
+    out: str | None = None  # the run directory; default runs/rm-<timestamp>
+
+    def validate(self) -> None:
+        if self.center_rewards_coefficient < 0:
+            raise ValueError(f"center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
+        if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
+            raise ValueError("train.eval_every is set but there is no eval data (data.eval_path or data.eval_fraction)")
+
+
+class RewardModel(nn.Module):
+    """The trunk and its scalar head, as one module for the optimizer (the trunk's LM head gets no gradient)."""
+
+    def __init__(self, trunk: Transformer, head: nn.Linear) -> None:
+        super().__init__()
+        self.trunk, self.head = trunk, head
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded ids (R, T) and real lengths (R,) -> scores (R,) in float32."""
+        hidden = self.trunk.hidden_states(input_ids)  # (R, T, d); right padding needs no mask (causal)
+        last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), lengths - 1]  # (R, d)
+        return nn.functional.linear(last.float(), self.head.weight.float(),
+                                    None if self.head.bias is None else self.head.bias.float()).squeeze(-1)
+
+
+def new_score_head(hidden_size: int, device: torch.device | str) -> nn.Linear:
+    """nn.Linear(d, 1) in fp32 without bias, N(0, 1/(d+1)) init (as TRL's reward modelling does)."""
+    head = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=torch.float32)
+    nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden_size + 1))
+    return head
+
+
+def tokenize_pair_for_scoring(tokenizer: Any, example: Preference, cfg: DataConfig) -> PairRow:
+    rows = []
+    for completion in (example.chosen, example.rejected):
+        ids = encode_for_scoring(tokenizer, example.prompt, completion)
+        if len(ids) > cfg.max_length:
+            if cfg.overlong == "skip":
+                raise RowError(f"too long: {len(ids)} tokens > max_length {cfg.max_length} (data.overlong=skip)")
+            ids = ids[-cfg.max_length:]
+        if not ids:
+            raise RowError("encodes to no tokens")
+        rows.append(TokenizedRow(ids, list(ids)))
+    return PairRow(*rows)
+
+
+def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen scores (B,), rejected scores (B,)) from one forward over the 2B sequences."""
+    batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id).to(rm.trunk.device)
+    scores = rm(batch.input_ids, batch.attention_mask.sum(1))  # (2B,)
+    return scores[: len(pairs)], scores[len(pairs):]
+
+
+@torch.no_grad()
+def evaluate_rm(rm: RewardModel, pairs: list[PairRow], batch_size: int, pad_token_id: int) -> dict[str, float]:
+    """Held-out loss, pairwise accuracy (ties count half) and mean margin."""
+    was_training = rm.training
+    rm.eval()
+    loss, wins, margin = 0.0, 0.0, 0.0
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        chosen, rejected = pair_scores(rm, chunk, pad_token_id)
+        loss += float(bradley_terry_loss(chosen, rejected)[0]) * len(chunk)
+        wins += float((chosen > rejected).float().sum() + 0.5 * (chosen == rejected).float().sum())
+        margin += float((chosen - rejected).sum())
+    rm.train(was_training)
+    n = max(len(pairs), 1)
+    return {"eval_loss": loss / n, "eval_accuracy": wins / n, "eval_margin": margin / n, "eval_pairs": len(pairs)}
+
+
+def train_reward_model(cfg: RMConfig) -> Path:
+    """Train a reward model on `cfg.data` pairs; returns the run dir, whose `final/` is a reward-model directory."""
+    cfg.validate()
+    seed_everything(cfg.train.seed)
+    trunk, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    data = load_pairs(cfg.data, tokenizer, cfg.train.seed, tokenize=tokenize_pair_for_scoring)
+    rm = RewardModel(trunk, new_score_head(trunk.config.hidden_size, trunk.device)).train()
+    train_cfg, optim_cfg = cfg.train, cfg.optim
+    per_step = train_cfg.batch_size * train_cfg.grad_accum
+    max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
+    run_dir = make_run_dir("rm", cfg.out, cfg)
+    (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    logger.info("rm: %d train / %d held-out pairs of %s; %d steps of %d pairs; run dir %s",
+                len(data.train), len(data.eval), data.report["format"], max_steps, per_step, run_dir)
+
+    optimizer = build_optimizer(rm, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
+    )
+    stream = batch_stream(data.train, train_cfg.batch_size, seed=train_cfg.seed)
+
+    def loss_sum(pairs: list[PairRow]) -> tuple[torch.Tensor, dict[str, float]]:
+        chosen, rejected = pair_scores(rm, pairs, pad_id)
+        loss, metrics = bradley_terry_loss(chosen, rejected, center_coefficient=cfg.center_rewards_coefficient)
+        tokens = sum(len(p.chosen) + len(p.rejected) for p in pairs)
+        return loss * len(pairs), {**{k: float(v) * len(pairs) for k, v in metrics.items()}, "tokens": tokens}
+
+    def step_fn(step: int) -> dict[str, float]:
+        micro = [next(stream) for _ in range(train_cfg.grad_accum)]
+        pairs = sum(len(m) for m in micro)
+        out = accumulate_gradients(micro, loss_sum, pairs)
+        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+        means = {k: v / pairs for k, v in out.items() if k not in ("loss", "tokens")}
+        return {"loss": out["loss"], **means, "tokens": out["tokens"], "pairs": pairs, "grad_norm": grad_norm}
+
+    def save_fn(step: int) -> None:
+        path = save_checkpoint(trunk, tokenizer, run_dir, step, keep_last=train_cfg.keep_checkpoints)
+        save_score_head(rm.head, path)
+
+    eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id)) if data.eval else None
+    with MetricsLogger(run_dir) as metrics:
+        if eval_fn is not None:
+            before = eval_fn()
+            metrics.log(0, before)
+            logger.info("rm: held-out accuracy before training %.3f (%d pairs)", before["eval_accuracy"], len(data.eval))
+        last = run_steps(step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
+                         save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
+                         save_fn=save_fn, progress=train_cfg.progress, desc="rm")
+        if eval_fn is not None:
+            logger.info("rm: held-out accuracy after training %.3f", last["eval_accuracy"])
+    rm.eval()
+    save_final(trunk, tokenizer, run_dir)
+    save_score_head(rm.head, final_dir(run_dir))
+    return run_dir

@@ -1,0 +1,91 @@
+"""Step metrics of the RL trainers: timing, memory, batch statistics, the progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class StepTimer:
+    """Wall-clock seconds per phase of one step: `with timer("rollout"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}_s": round(s, 4) for phase, s in self.seconds.items()}
+
+
+class WeightedMeans:
+    """Running means of metrics across micro-batches, each weighted (by its token count)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.maxima: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, Any], weight: float) -> None:
+        for key, value in metrics.items():
+            value = float(value)
+            if key.endswith("max"):  # ratio/max, mismatch/abs_diff_max: the max over micro-batches
+                self.maxima[key] = max(self.maxima.get(key, -math.inf), value)
+                continue
+            self.sums[key] += value * weight
+            self.weights[key] += weight
+
+    def result(self) -> dict[str, float]:
+        out = {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+        out.update(self.maxima)
+        return out
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """Peak resident memory of the process (CPU), and CUDA max allocated when on a GPU."""
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss_kb if sys.platform == "darwin" else rss_kb * 1024  # macOS reports bytes, Linux KiB
+    out = {"memory/peak_rss_gb": round(rss_bytes / 2**30, 3)}
+    if device.type == "cuda":
+        out["memory/cuda_max_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+    return out
+
+
+def nan_stats(values: torch.Tensor, prefix: str) -> dict[str, float]:
+    """Mean and std over the finite entries (NaN when none)."""
+    finite = values[~torch.isnan(values)].float()
+    if finite.numel() == 0:
+        return {f"{prefix}/mean": math.nan, f"{prefix}/std": math.nan}
+    std = float(finite.std()) if finite.numel() > 1 else 0.0
+    return {f"{prefix}/mean": float(finite.mean()), f"{prefix}/std": std}
+
+
+def progress_bar(total: int, enabled: bool, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not enabled)
+
+
+def headline(metrics: dict[str, Any]) -> str:
+    """The few numbers the progress bar shows."""
+    parts = []
+    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("eval/accuracy", "acc", ".3f"),
+                            ("response_len/mean", "len", ".1f"), ("time/step_s", "s/step", ".1f")):
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and not math.isnan(value):
+            parts.append(f"{label}={value:{fmt}}")
+    return " ".join(parts)

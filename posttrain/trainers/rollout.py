@@ -1,0 +1,376 @@
+"""Rollouts for the RL trainers: prompts in, scored groups of completions out.
+
+- `make_prompt_source`: a built-in task (`posttrain.tasks`) or a JSONL dataset with a prompt column.
+- `load_reward_specs`: the reward functions, their signatures checked against the data's columns.
+- `generate_groups`: one engine call over the LIVE policy module, n samples per prompt, with the
+  engine's sampling logprobs; `score_groups` adds rewards (NaN = unscorable) and DAPO's soft
+  overlong penalty.
+- `collect_rollout`: the step's batch; with DAPO dynamic sampling it drops groups whose rewards are
+  all equal and samples more prompts to refill the batch, a bounded number of rounds.
+- `evaluate`: greedy (temperature 0) accuracy on held-out prompts through the same engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.algos import dapo_dynamic_sampling_mask, soft_overlong_penalty
+from posttrain.engine import LLM, SamplingParams
+from posttrain.errors import PosttrainError
+from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, compute_rewards, load_reward
+from posttrain.trainers.rl_config import TASK_DEFAULT_REWARDS, DataSection, RewardSection
+
+PROMPT_KEY = "prompt"  # every row handed to the trainer carries its prompt under this key
+
+
+# ----------------------------------------------------------------------------- prompt sources
+
+
+class PromptSource(Protocol):
+    reward: str  # the default reward spec for this data
+
+    def sample(self, n: int) -> list[dict[str, Any]]: ...
+
+    def held_out(self, n: int) -> list[dict[str, Any]]: ...
+
+
+class JsonlPrompts:
+    """Rows of a JSONL file; the prompt column becomes `prompt` (a string gets the template and system
+    prompt and becomes a one-turn chat). The last `eval_size` rows are held out; training cycles over
+    the rest in an order reshuffled each epoch."""
+
+    reward = ""  # no default: `reward.functions` must name one
+
+    def __init__(self, cfg: DataSection) -> None:
+        path = Path(cfg.path).expanduser()
+        if not path.is_file():
+            raise PosttrainError(f"data.path: {path} not found")
+        rows = []
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise PosttrainError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+                if not isinstance(record, dict):
+                    raise PosttrainError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+                if cfg.prompt_column not in record:
+                    raise PosttrainError(f"{path}:{number}: no prompt column {cfg.prompt_column!r} "
+                                         f"(columns: {', '.join(record) or 'none'}); set data.prompt_column")
+                rows.append(self._to_row(record, cfg, f"{path}:{number}"))
+        if len(rows) <= cfg.eval_size:
+            raise PosttrainError(f"{path}: {len(rows)} rows, not enough for data.eval_size={cfg.eval_size} held out "
+                                 "plus training rows")
+        split = len(rows) - cfg.eval_size
+        self.train_rows, self.held_out_rows = rows[:split], rows[split:]
+        self.rng = random.Random(cfg.seed)
+        self.order: list[int] = []
+
+    @staticmethod
+    def _to_row(record: dict[str, Any], cfg: DataSection, where: str) -> dict[str, Any]:
+        prompt = record[cfg.prompt_column]
+        columns = {k: v for k, v in record.items() if k != cfg.prompt_column}
+        if isinstance(prompt, str):
+            text = cfg.prompt_template.format(**record) if cfg.prompt_template else prompt
+            messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+            prompt = messages + [{"role": "user", "content": text}]
+        elif not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
+            raise PosttrainError(f"{where}: column {cfg.prompt_column!r} must be a string or a list of chat messages")
+        return {**columns, PROMPT_KEY: prompt}
+
+    def sample(self, n: int) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(n):
+            if not self.order:
+                self.order = list(range(len(self.train_rows)))
+                self.rng.shuffle(self.order)
+            out.append(dict(self.train_rows[self.order.pop()]))
+        return out
+
+    def held_out(self, n: int) -> list[dict[str, Any]]:
+        return [dict(row) for row in self.held_out_rows[:n]]
+
+
+def make_prompt_source(cfg: DataSection) -> PromptSource:
+    """A built-in task (its `path` option from data.path, if given) or a JSONL dataset."""
+    if cfg.task is None:
+        return JsonlPrompts(cfg)
+    from posttrain.tasks import make_task
+
+    options: dict[str, Any] = {"seed": cfg.seed}
+    if cfg.path is not None:
+        options["path"] = cfg.path
+    if cfg.task == "gsm8k":
+        options["held_out_size"] = max(cfg.eval_size, 1)
+    return make_task(cfg.task, **options)
+
+
+def data_columns(source: PromptSource) -> list[str]:
+    """The columns a reward function receives (every row key but the prompt) plus `completion_ids`."""
+    first = (source.held_out(1) or source.sample(1))[0]
+    if PROMPT_KEY not in first:
+        raise PosttrainError(f"the data's rows have no {PROMPT_KEY!r} (columns: {', '.join(first)})")
+    return [k for k in first if k != PROMPT_KEY] + [COMPLETION_IDS_COLUMN]
+
+
+def load_reward_specs(cfg: RewardSection, data: DataSection, source: PromptSource, columns: list[str]) -> list[RewardSpec]:
+    """`reward.functions` (or the task's default reward), each signature checked against the columns."""
+    names = list(cfg.functions)
+    if not names:
+        default = getattr(source, "reward", "") or TASK_DEFAULT_REWARDS.get(data.task or "", "")
+        if not default:
+            raise PosttrainError("reward.functions is empty and the data has no default reward: name one, "
+                                 "e.g. reward.functions=[numeric_match]")
+        names = [default]
+    weights = cfg.weights or [1.0] * len(names)
+    specs = []
+    for name, weight in zip(names, weights):
+        fn = load_reward(name)
+        check_reward_signature(fn, name, columns)
+        specs.append(RewardSpec(name, fn, weight))
+    return specs
+
+
+def check_prompt_lengths(source: PromptSource, held_out: list[dict[str, Any]], tokenizer: Any, limit: int) -> None:
+    """Every prompt the run can draw (a task's or dataset's training rows when it exposes them, and the
+    held-out rows) must fit `rollout.max_prompt_tokens` once templated; else fail now, naming the row."""
+    rows = list(getattr(source, "train_rows", [])) + list(held_out)
+    for index, row in enumerate(rows):
+        ids = tokenizer.apply_chat_template(list(row[PROMPT_KEY]), add_generation_prompt=True, tokenize=True)
+        if len(ids) > limit:
+            where = f"training row {index}" if index < len(rows) - len(held_out) else "a held-out row"
+            raise PosttrainError(f"data: {where} has a prompt of {len(ids)} tokens, more than "
+                                 f"rollout.max_prompt_tokens={limit}; raise it (or drop long rows)")
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+@dataclass
+class RolloutBatch:
+    """G samples per group, samples numbered group by group (sample b = g * G + j)."""
+
+    group_size: int
+    rows: list[dict[str, Any]]  # per group: the prompt and its columns
+    prompt_ids: list[list[int]]  # per group
+    completion_ids: list[list[int]]  # per sample
+    texts: list[str]  # per sample
+    rollout_logprobs: list[list[float]]  # per sample: the engine's log softmax(z / T) of each token
+    finish_reasons: list[str]  # per sample
+    policy_versions: list[int]  # per sample
+    rewards: torch.Tensor | None = None  # (B,) after shaping; NaN = unscorable
+    task_rewards: torch.Tensor | None = None  # (B,) before the overlong penalty
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
+    reward_errors: list[str] = field(default_factory=list)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.completion_ids)
+
+    def group_completions(self) -> list[list[list[int]]]:
+        G = self.group_size
+        return [self.completion_ids[g * G : (g + 1) * G] for g in range(self.num_groups)]
+
+    def select_groups(self, groups: list[int]) -> RolloutBatch:
+        G = self.group_size
+        samples = [g * G + j for g in groups for j in range(G)]
+        index = torch.tensor(samples, dtype=torch.long)
+
+        def pick(values: Any) -> Any:
+            if values is None:
+                return None
+            if isinstance(values, torch.Tensor):
+                return values[index]
+            return [values[b] for b in samples]
+
+        return replace(
+            self,
+            rows=[self.rows[g] for g in groups],
+            prompt_ids=[self.prompt_ids[g] for g in groups],
+            completion_ids=pick(self.completion_ids),
+            texts=pick(self.texts),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            finish_reasons=pick(self.finish_reasons),
+            policy_versions=pick(self.policy_versions),
+            rewards=pick(self.rewards),
+            task_rewards=pick(self.task_rewards),
+            per_function={k: pick(v) for k, v in self.per_function.items()},
+        )
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    first = batches[0]
+
+    def cat(name: str) -> Any:
+        values = [getattr(b, name) for b in batches]
+        if isinstance(values[0], torch.Tensor):
+            return torch.cat(values)
+        return [v for vs in values for v in vs]
+
+    return replace(
+        first,
+        **{name: cat(name) for name in ("rows", "prompt_ids", "completion_ids", "texts", "rollout_logprobs",
+                                        "finish_reasons", "policy_versions", "rewards", "task_rewards")},
+        per_function={k: torch.cat([b.per_function[k] for b in batches]) for k in first.per_function},
+        reward_errors=[e for b in batches for e in b.reward_errors],
+    )
+
+
+def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams) -> RolloutBatch:
+    """n = params.n samples of each row's prompt from the engine, with their sampling logprobs."""
+    outputs = llm.generate([row[PROMPT_KEY] for row in rows], params)
+    completion_ids, texts, logprobs, reasons, versions = [], [], [], [], []
+    for output in outputs:
+        for sample in output.outputs:
+            completion_ids.append(list(sample.token_ids))
+            texts.append(sample.text)
+            logprobs.append(list(sample.logprobs or []))
+            reasons.append(sample.finish_reason or "length")
+            versions.append(sample.policy_version if sample.policy_version is not None else -1)
+    return RolloutBatch(
+        group_size=params.n,
+        rows=list(rows),
+        prompt_ids=[list(o.prompt_token_ids) for o in outputs],
+        completion_ids=completion_ids,
+        texts=texts,
+        rollout_logprobs=logprobs,
+        finish_reasons=reasons,
+        policy_versions=versions,
+    )
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    max_tokens: int
+    cache_len: int
+    factor: float
+
+
+def score_groups(batch: RolloutBatch, specs: list[RewardSpec], overlong: OverlongShaping | None) -> RolloutBatch:
+    """Rewards for every sample (the group's row columns repeated per sample), then the overlong penalty."""
+    G = batch.group_size
+    prompts = [row[PROMPT_KEY] for row in batch.rows for _ in range(G)]
+    names = [k for k in batch.rows[0] if k != PROMPT_KEY]
+    columns: dict[str, list[Any]] = {k: [row.get(k) for row in batch.rows for _ in range(G)] for k in names}
+    columns[COMPLETION_IDS_COLUMN] = batch.completion_ids
+    result = compute_rewards(specs, prompts, batch.texts, columns)
+    rewards = result.total.clone()  # (B,)
+    if overlong is not None:
+        lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
+        rewards = rewards + soft_overlong_penalty(lengths, overlong.max_tokens, overlong.cache_len,
+                                                  penalty_factor=overlong.factor)
+    return replace(batch, rewards=rewards, task_rewards=result.total, per_function=result.per_function,
+                   reward_errors=result.errors)
+
+
+@dataclass
+class RolloutStats:
+    rollout_s: float = 0.0
+    reward_s: float = 0.0
+    generated_tokens: int = 0
+    zero_variance_frac: float = 0.0  # of the first round's groups
+    refill_rounds: int = 0
+    extra_prompts: int = 0  # prompts sampled beyond prompts_per_step to refill
+    dropped_groups: int = 0
+
+
+def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(num_groups,) bool: groups whose scorable rewards are all equal (or that have < 2 of them)."""
+    keep = dapo_dynamic_sampling_mask(rewards, group_size).reshape(-1, group_size)[:, 0]  # (N,)
+    return ~keep
+
+
+def collect_rollout(
+    llm: LLM,
+    source: PromptSource,
+    num_prompts: int,
+    params: SamplingParams,
+    specs: list[RewardSpec],
+    overlong: OverlongShaping | None,
+    dynamic_sampling: bool,
+    max_refill_rounds: int,
+) -> tuple[RolloutBatch | None, RolloutStats]:
+    """The step's scored batch. With dynamic sampling, only groups with differing rewards are kept and
+    up to `max_refill_rounds` extra rollouts refill the batch to `num_prompts` groups; fewer may be
+    returned, and None when no group is left."""
+    stats = RolloutStats()
+
+    def one_round(n: int) -> RolloutBatch:
+        start = time.perf_counter()
+        batch = generate_groups(llm, source.sample(n), params)
+        stats.rollout_s += time.perf_counter() - start
+        stats.generated_tokens += sum(len(ids) for ids in batch.completion_ids)
+        start = time.perf_counter()
+        batch = score_groups(batch, specs, overlong)
+        stats.reward_s += time.perf_counter() - start
+        return batch
+
+    batch = one_round(num_prompts)
+    zero_var = zero_variance_groups(batch.rewards, params.n)
+    stats.zero_variance_frac = float(zero_var.float().mean())
+    if not dynamic_sampling:
+        return batch, stats
+    kept = [batch.select_groups([g for g in range(batch.num_groups) if not zero_var[g]])]
+    stats.dropped_groups = int(zero_var.sum())
+    have = kept[0].num_groups
+    while have < num_prompts and stats.refill_rounds < max_refill_rounds:
+        keep_rate = max(have / (num_prompts + stats.extra_prompts), 0.25)  # sample extra for the expected drop
+        n = min(num_prompts, math.ceil((num_prompts - have) / keep_rate))
+        stats.refill_rounds += 1
+        stats.extra_prompts += n
+        extra = one_round(n)
+        extra_zero = zero_variance_groups(extra.rewards, params.n)
+        stats.dropped_groups += int(extra_zero.sum())
+        kept.append(extra.select_groups([g for g in range(extra.num_groups) if not extra_zero[g]]))
+        have += kept[-1].num_groups
+    kept = [b for b in kept if b.num_groups]
+    if not kept:
+        return None, stats
+    merged = concat_batches(kept)
+    return merged.select_groups(list(range(min(num_prompts, merged.num_groups)))), stats
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    llm: LLM, rows: list[dict[str, Any]], specs: list[RewardSpec], max_tokens: int, threshold: float
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Greedy accuracy on `rows`: the share of scorable samples whose total reward is >= threshold."""
+    from posttrain.tasks import accuracy
+
+    batch = generate_groups(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens))
+    batch = score_groups(batch, specs, None)
+    rewards = batch.rewards.tolist()
+    try:
+        acc = accuracy(rewards, threshold)
+    except ValueError:
+        acc = math.nan
+    lengths = [len(ids) for ids in batch.completion_ids]
+    metrics = {
+        "eval/accuracy": acc,
+        "eval/reward_mean": float(torch.nanmean(batch.rewards)) if rewards else math.nan,
+        "eval/response_len_mean": sum(lengths) / max(len(lengths), 1),
+        "eval/num_prompts": len(rows),
+    }
+    samples = [
+        {"prompt": row[PROMPT_KEY], "completion": text, "reward": None if math.isnan(r) else r,
+         **{k: v for k, v in row.items() if k != PROMPT_KEY and isinstance(v, (str, int, float))}}
+        for row, text, r in zip(batch.rows, batch.texts, rewards)
+    ]
+    return metrics, samples

@@ -1,0 +1,79 @@
+"""Config sections every trainer shares: which model, how to optimize, how long to train.
+
+A trainer's config is a dataclass built from these plus its own sections (see `SFTConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from posttrain.models.hub import DEFAULT_MODEL
+from posttrain.trainers.schedule import SCHEDULES
+
+
+@dataclass
+class ModelSection:
+    name_or_path: str = DEFAULT_MODEL  # HF directory, .gguf file or known name
+    dtype: str | None = None  # float32 | bfloat16 | float16; default fp32 on CPU, bf16 on GPU
+    device: str | None = None  # cpu | cuda | cuda:N; default cuda if available
+
+
+@dataclass
+class OptimSection:
+    lr: float = 2e-5
+    weight_decay: float = 0.0  # on matrices only; norm weights and biases are never decayed
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # of the total steps; used when warmup_steps is 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.0  # the decay's floor, as a fraction of lr
+    max_grad_norm: float | None = 1.0  # null: no clipping (the norm is still logged)
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {list(self.betas)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or null, got {self.max_grad_norm}")
+        assert self.schedule in SCHEDULES
+
+
+@dataclass
+class TrainSection:
+    batch_size: int = 8  # rows (or packed rows) per forward pass
+    grad_accum: int = 1  # forward passes per optimizer step; rows per step = batch_size * grad_accum
+    max_steps: int | None = None  # optimizer steps; null: derived from epochs
+    epochs: float = 1.0
+    seed: int = 0
+    log_every: int = 1  # steps between metrics.jsonl records
+    save_every: int = 0  # steps between checkpoints/step-N saves; 0: only the final model
+    keep_checkpoints: int | None = None  # keep the newest N step checkpoints; null: keep all
+    eval_every: int = 0  # steps between evaluations (when there is eval data); 0: only at the end
+    progress: bool = True  # tqdm progress bar on stderr
+
+    def validate(self) -> None:
+        for name in ("batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1 or null, got {self.max_steps}")
+        if not self.epochs > 0:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 or null, got {self.keep_checkpoints}")

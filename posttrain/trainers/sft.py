@@ -1,0 +1,218 @@
+"""Supervised fine-tuning: a config and a loop over the shared pieces.
+
+The loss is the cross-entropy of the completion (assistant) tokens only, **averaged over all
+completion tokens of the optimizer step**: every micro-batch's summed loss is divided by the number
+of completion tokens across all `grad_accum` micro-batches. Each token then weighs the same whatever
+the row lengths or the micro-batch split, so batch 8 and 2 x 4 accumulation give the same update
+(TRL and transformers normalise the same way, via `num_items_in_batch`). The alternative, a mean of
+per-row or per-micro-batch means, would up-weight the tokens of short answers.
+
+The LM head is applied only at positions that have a target (prompt and padding positions are
+skipped), through `chunked_cross_entropy`, which never holds the (tokens x vocab) logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posttrain.algos.logprobs import chunked_cross_entropy
+from posttrain.data.collate import Batch, collate, length_groups
+from posttrain.data.config import DataConfig
+from posttrain.data.dataset import build_sft_rows, split_holdout
+from posttrain.data.packing import PackedRow, pack_best_fit
+from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
+from posttrain.data.validate import DataError
+from posttrain.metrics import MetricsLogger
+from posttrain.models.hub import load_model
+from posttrain.models.transformer import Transformer
+from posttrain.run_dir import make_run_dir
+from posttrain.trainers.accumulate import accumulate_gradients
+from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
+from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+
+logger = logging.getLogger("posttrain.trainers")
+
+Unit = TokenizedRow | PackedRow  # what a batch holds: a row, or a packed row of several
+
+
+@dataclass
+class SFTDataConfig(DataConfig):
+    packing: bool = False  # best-fit pack rows into max_length rows with segment isolation
+    completion_only_loss: bool = True  # False: train on every token, prompt included
+
+
+@dataclass
+class SFTTrainSection(TrainSection):
+    # Each batch is cut into sub-batches of similar length when that saves more padded tokens than
+    # this price per extra forward/backward pass (see posttrain.data.collate.length_groups); the update
+    # is the same either way. null: 64 on CPU (a pass costs little next to a token), 4096 on GPUs.
+    group_cost_tokens: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.group_cost_tokens is not None and self.group_cost_tokens < 0:
+            raise ValueError(f"group_cost_tokens must be >= 0 or null, got {self.group_cost_tokens}")
+
+
+@dataclass
+class SFTConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: SFTTrainSection = field(default_factory=SFTTrainSection)
+    out: str | None = None  # the run directory; default runs/sft-<timestamp>
+
+    def validate(self) -> None:
+        if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
+            raise ValueError("train.eval_every is set but there is no eval data (data.eval_path or data.eval_fraction)")
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def sft_loss_sum(model: Transformer, batch: Batch) -> torch.Tensor:
+    """Summed next-token cross-entropy over the batch's targets (float32 scalar).
+
+    Only the positions with a target go through the LM head, in row chunks (see chunked_cross_entropy).
+    """
+    hidden = model.hidden_states(batch.input_ids, **batch.model_kwargs())  # (B, T, d)
+    keep = batch.targets != IGNORE_INDEX  # (B, T)
+    return chunked_cross_entropy(hidden[keep], model.lm_head.weight, batch.targets[keep], reduction="sum")
+
+
+def grouped_batches(units: list[Unit], pad_token_id: int, group_cost_tokens: int, device: torch.device) -> list[Batch]:
+    """One batch of units as padded sub-batches of similar length (see `length_groups`)."""
+    groups = length_groups([len(u) for u in units], group_cost_tokens)
+    return [collate([units[i] for i in group], pad_token_id).to(device) for group in groups]
+
+
+def default_group_cost(device: torch.device) -> int:
+    return 64 if device.type == "cpu" else 4096
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer, units: list[Unit], batch_size: int, pad_token_id: int, group_cost_tokens: int | None = None
+) -> dict[str, float]:
+    """Token-mean loss over `units`, in the same units as the training loss."""
+    was_training = model.training
+    model.eval()
+    cost = default_group_cost(model.device) if group_cost_tokens is None else group_cost_tokens
+    total, count = 0.0, 0
+    for start in range(0, len(units), batch_size):
+        for batch in grouped_batches(units[start : start + batch_size], pad_token_id, cost, model.device):
+            total += float(sft_loss_sum(model, batch))
+            count += batch.num_targets
+    model.train(was_training)
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def load_sft_data(cfg: SFTConfig, tokenizer: Any) -> tuple[list[Unit], list[Unit], dict[str, Any]]:
+    """(train units, eval units, a report of what was read and skipped)."""
+    data = cfg.data
+    train = build_sft_rows(data, tokenizer, completion_only=data.completion_only_loss)
+    report: dict[str, Any] = {"path": data.path, "format": train.format, "rows_read": train.rows_read,
+                              "rows_kept": len(train.rows), "bad_rows": [vars(b) for b in train.bad_rows]}
+    rows, eval_rows = split_holdout(train.rows, data.eval_fraction, cfg.train.seed)
+    if data.eval_path:
+        held = build_sft_rows(data, tokenizer, completion_only=data.completion_only_loss, path=data.eval_path)
+        eval_rows = held.rows
+        report["eval"] = {"path": data.eval_path, "rows_read": held.rows_read, "rows_kept": len(held.rows),
+                          "bad_rows": [vars(b) for b in held.bad_rows]}
+    if data.packing:
+        units: tuple[list[Unit], list[Unit]] = (pack_best_fit(rows, data.max_length), pack_best_fit(eval_rows, data.max_length))
+        report["packed_rows"] = len(units[0])
+        return units[0], units[1], report
+    return list(rows), list(eval_rows), report
+
+
+def _write_report(run_dir: Path, report: dict[str, Any]) -> None:
+    (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@dataclass
+class SFTSession:
+    """A prepared run: the model, data and optimizer, and `step(i)`, which does optimizer step i.
+
+    `train_sft` is `start_sft` + `run_steps` + the final save; the session is public so a caller can
+    drive the steps itself (a benchmark interleaving two trainers, a notebook)."""
+
+    model: Transformer
+    tokenizer: Any
+    run_dir: Path
+    units: list[Unit]
+    eval_units: list[Unit]
+    optimizer: torch.optim.Optimizer
+    max_steps: int
+    step: Callable[[int], dict[str, float]]
+    evaluate: Callable[[], dict[str, float]] | None
+
+
+def start_sft(cfg: SFTConfig) -> SFTSession:
+    """Load the model and data, create the run directory, build the optimizer and the step."""
+    seed_everything(cfg.train.seed)
+    model, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    model.train()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    units, eval_units, report = load_sft_data(cfg, tokenizer)
+    train_cfg, optim_cfg = cfg.train, cfg.optim
+    per_step = train_cfg.batch_size * train_cfg.grad_accum
+    max_steps = train_cfg.max_steps or steps_for_epochs(len(units), train_cfg.epochs, per_step)
+    run_dir = make_run_dir("sft", cfg.out, cfg)
+    _write_report(run_dir, report)
+    logger.info("sft: %d rows of %s (%d bad, skipped) -> %d %s; %d steps of %d; run dir %s",
+                report["rows_kept"], report["format"], len(report["bad_rows"]), len(units),
+                "packed rows" if cfg.data.packing else "rows", max_steps, per_step, run_dir)
+
+    optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
+    )
+    stream = batch_stream(units, train_cfg.batch_size, seed=train_cfg.seed)
+    device = model.device
+    group_cost = default_group_cost(device) if train_cfg.group_cost_tokens is None else train_cfg.group_cost_tokens
+
+    def step(index: int) -> dict[str, float]:
+        # All micro-batches of the step (each cut into length groups) share one normaliser: the step's
+        # completion-token count, so the update does not depend on how the rows were split.
+        batches = [b for _ in range(train_cfg.grad_accum) for b in grouped_batches(next(stream), pad_id, group_cost, device)]
+        loss_tokens = sum(b.num_targets for b in batches)
+        out = accumulate_gradients(batches, lambda b: (sft_loss_sum(model, b), {"tokens": b.num_tokens}), loss_tokens)
+        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+        return {**out, "grad_norm": grad_norm, "loss_tokens": loss_tokens}
+
+    evaluate_fn = (lambda: evaluate(model, eval_units, train_cfg.batch_size, pad_id, group_cost)) if eval_units else None
+    return SFTSession(model, tokenizer, run_dir, units, eval_units, optimizer, max_steps, step, evaluate_fn)
+
+
+def train_sft(cfg: SFTConfig) -> Path:
+    """Fine-tune `cfg.model` on `cfg.data`; returns the run directory (config.yaml, metrics.jsonl,
+    data_report.json, checkpoints/, final/)."""
+    session = start_sft(cfg)
+    train_cfg = cfg.train
+    with MetricsLogger(session.run_dir) as metrics:
+        run_steps(
+            session.step, max_steps=session.max_steps, optimizer=session.optimizer, metrics=metrics,
+            log_every=train_cfg.log_every, save_every=train_cfg.save_every, eval_every=train_cfg.eval_every,
+            eval_fn=session.evaluate, progress=train_cfg.progress, desc="sft",
+            save_fn=lambda step: save_checkpoint(session.model, session.tokenizer, session.run_dir, step,
+                                                 keep_last=train_cfg.keep_checkpoints),
+        )
+    save_final(session.model, session.tokenizer, session.run_dir)
+    return session.run_dir
