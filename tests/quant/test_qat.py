@@ -39,15 +39,16 @@ def test_prepare_qat_keeps_the_parameters_and_trains(model):
     assert {n: p for n, p in model.named_parameters()} == params  # same names, same Parameter objects
     assert isinstance(model.layers[1].mlp.down_proj, FakeQuantLinear) and type(model.lm_head) is nn.Linear
     assert model.state_dict().keys() == tiny_model().state_dict().keys()  # saves as a plain float checkpoint
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ids = torch.randint(0, 128, (4, 16))
     losses = []
-    for _ in range(5):
+    for _ in range(5):  # plain SGD by hand (torch.optim's first use imports torch._dynamo: seconds)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1))
-        optimizer.zero_grad()
+        model.zero_grad()
         loss.backward()
-        optimizer.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(p.grad, alpha=0.05)
         losses.append(loss.item())
     assert losses[-1] < losses[0]
 
