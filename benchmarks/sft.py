@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", default=str(GSM8K))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)

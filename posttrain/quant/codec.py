@@ -51,8 +51,10 @@ def quantize_weight(
     wg = _grouped(w.detach().float(), group)  # (N, G, g)
     sdt = scheme.scale_dtype
     if scheme.symmetric:
-        absmax = wg.abs().amax(dim=-1)  # (N, G)
-        scales = _to_storage(absmax / scheme.q_max, sdt, "scales", source)
+        # The value of largest magnitude lands exactly on code -mid (llama.cpp's Q4_0 rule): all 2**bits codes
+        # are used, and the scale is negative when that value is positive.
+        extreme = wg.gather(-1, wg.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # (N, G), signed
+        scales = _to_storage(extreme / -scheme.mid, sdt, "scales", source)
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero group (or underflow): codes 0
         q = torch.round(wg / scales.float()[..., None])
         zeros = None

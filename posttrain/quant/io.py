@@ -114,9 +114,8 @@ def load_quantized_dir(
         raise CheckpointError(f"{path}: missing tensors {', '.join(ours_to_hf(m) for m in missing[:3])}{more}")
     for name in quantized:
         scales = state[f"{name}.scales"]
-        if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
-            raise CheckpointError(f"{path}: {ours_to_hf(name)}.scales holds non-finite or non-positive values "
-                                  "(corrupt file)")
+        if not bool(torch.isfinite(scales).all()) or bool((scales == 0).any()):
+            raise CheckpointError(f"{path}: {ours_to_hf(name)}.scales holds non-finite or zero values (corrupt file)")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

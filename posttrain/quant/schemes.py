@@ -3,14 +3,19 @@
 A scheme fixes the weight format (bits, group size, symmetric or with a zero point) and whether the
 activations are quantized too (W8A8: per-token dynamic int8). Round-to-nearest throughout.
 
-Weight value of a stored code q (centred: q = code - 2**(bits-1)) in group g of output channel n:
+Weight value of a stored code q (centred: q = code - 2**(bits-1), in [-8, 7] for int4, [-128, 127] for
+int8) in group g of output channel n:
 
-    w = q * scales[n, g]                      symmetric (q in [-qmax, qmax], qmax = 2**(bits-1) - 1)
-    w = q * scales[n, g] + zeros[n, g]        asymmetric (q in [-2**(bits-1), 2**(bits-1) - 1])
+    w = q * scales[n, g]                      symmetric
+    w = q * scales[n, g] + zeros[n, g]        asymmetric
 
-The asymmetric zero point is a float in weight units (the value of the middle code, as llama.cpp's Q4_1
-`min` and torch's int4 kernels keep it), not an integer code: the group's minimum and maximum are then
-both on the grid, which an integer zero point cannot promise.
+Symmetric: scale = (the group's value of largest magnitude) / -2**(bits-1), so that value is exactly code
+-8 (-128) and all 16 (256) codes are in use; the scale is negative when that value is positive. This is
+llama.cpp's Q4_0 rule; the textbook absmax / 7 grid leaves code -8 unused and measured 14% more RMS
+error on SmolLM2-135M's weights at group 128.
+Asymmetric: scale = (max - min) / (2**bits - 1) and a float zero point in weight units (the value of
+centred code 0, as llama.cpp's Q4_1 `min` and torch's int4 kernels keep it), not an integer code: the
+group's minimum and maximum are then both on the grid, which an integer zero point cannot promise.
 """
 
 from __future__ import annotations
@@ -44,13 +49,13 @@ class QuantScheme:
 
     @property
     def mid(self) -> int:
-        """The code that stands for zero (symmetric) or for the zero point (asymmetric): 2**(bits-1)."""
+        """The unsigned code that stands for zero (symmetric) or for the zero point (asymmetric): 2**(bits-1)."""
         return 1 << (self.bits - 1)
 
     @property
     def q_min(self) -> int:
-        """Smallest centred code: symmetric grids are kept symmetric ([-7, 7] for int4, [-127, 127] for int8)."""
-        return -(self.mid - 1) if self.symmetric else -self.mid
+        """Smallest centred code: -8 for int4, -128 for int8."""
+        return -self.mid
 
     @property
     def q_max(self) -> int:

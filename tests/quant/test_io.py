@@ -124,7 +124,7 @@ Q = "model.layers.1.self_attn.v_proj"
     (lambda p: edit_tensors(p, lambda t: t.__setitem__(f"{Q}.qweight", t[f"{Q}.qweight"].to(torch.int8))),
      rf"tensor '{Q}.qweight' is torch.int8, the scheme stores torch.uint8"),
     (lambda p: edit_tensors(p, lambda t: t[f"{Q}.scales"].__setitem__((0, 0), float("nan"))),
-     rf"{Q}.scales holds non-finite or non-positive values"),
+     rf"{Q}.scales holds non-finite or zero values"),
     (lambda p: edit_tensors(p, lambda t: t.pop(f"{Q}.zeros")), rf"missing tensors {Q}.zeros"),
     (lambda p: edit_tensors(p, lambda t: t.__setitem__("model.layers.0.mlp.foo.qweight", t[f"{Q}.qweight"].clone())),
      r"quantized tensor model.layers.0.mlp.foo.qweight names no layer"),

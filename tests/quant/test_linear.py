@@ -93,7 +93,7 @@ def test_gradient_reaches_the_input_through_the_dequantized_weight(name, compute
     layer = QuantizedLinear.from_linear(gaussian_linear(128, 64, bias=True), name, compute=compute)
     x = torch.randn(2, 3, 128, requires_grad=True)
     grad_out = torch.randn(2, 3, 64)
-    layer(x).backward(grad_out)
+    (layer(x) * grad_out).sum().backward()  # backward(grad) would import sympy (seconds) to compare shapes
     assert torch.allclose(x.grad, grad_out @ layer.dequantize(), atol=1e-5)
     assert layer.qweight.grad is None and layer.scales.grad is None
 
