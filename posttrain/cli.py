@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rm": ("posttrain.commands.rm", "train a reward model (Bradley-Terry, scalar head) for the RL model reward"),
     "distill": ("posttrain.commands.distill", "distill a teacher into a student (forward / reverse KL, JSD; off- or on-policy)"),
     "serve": ("posttrain.commands.serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) over the engine"),
+    "estimate": ("posttrain.commands.estimate", "memory per device and time per step of a training setup, from the shapes alone"),
+    "report": ("posttrain.commands.report", "render a run directory's metrics.jsonl as report.html with plots"),
 }
 
 
@@ -50,7 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     sub = argparse.ArgumentParser(prog=f"posttrain {name}", description=COMMANDS[name][1])
     module.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
+    args, unknown = sub.parse_known_args(argv[1:])
+    if unknown:
+        if not isinstance(getattr(args, "argv", None), list):
+            sub.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # A REMAINDER positional (the config commands' overrides) gets only what follows the first positional
+        # string: options before it (`posttrain dpo --loss kto data.path=x`) come back unknown, in order.
+        args.argv = unknown + args.argv
     try:
         return int(module.run(args) or 0)
     except PosttrainError as exc:

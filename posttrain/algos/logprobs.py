@@ -26,6 +26,14 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _scaled(logits: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    """logits / temperature in `dtype`: at T = 1 in the working dtype, the caller's view itself (no
+    (b, t, V) copy; the callers only read it)."""
+    if temperature == 1.0 and logits.dtype == dtype:
+        return logits
+    return logits.to(dtype) / temperature
+
+
 def _chunks(batch: int, time: int, chunk_tokens: int) -> Iterator[tuple[slice, slice]]:
     """Cover the (batch, time) grid with blocks of about chunk_tokens tokens.
 
@@ -54,7 +62,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs = logits.new_empty((batch, time), dtype=work)  # (B, T)
         lse = torch.empty_like(logprobs)  # (B, T)
         for bs, ts in _chunks(batch, time, chunk_tokens):
-            z = logits[bs, ts].to(work) / temperature  # (b, t, V) scratch
+            z = _scaled(logits[bs, ts], work, temperature)  # (b, t, V)
             lse_c = torch.logsumexp(z, dim=-1)  # (b, t)
             logprobs[bs, ts] = z.gather(-1, labels[bs, ts].unsqueeze(-1)).squeeze(-1) - lse_c
             lse[bs, ts] = lse_c
@@ -68,12 +76,12 @@ class _TokenLogprobs(torch.autograd.Function):
         tau = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (B, T, V)
         for bs, ts in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_tokens):
-            z = logits[bs, ts].to(lse.dtype) / tau  # (b, t, V)
+            z = _scaled(logits[bs, ts], lse.dtype, tau)  # (b, t, V)
             g = grad_out[bs, ts].unsqueeze(-1)  # (b, t, 1)
             # d/dz (z_y - lse(z)) = onehot(y) - softmax(z); chain rule through z = logits / tau
             dz = torch.exp(z - lse[bs, ts].unsqueeze(-1)).mul_(-g)  # (b, t, V)
             dz.scatter_add_(-1, labels[bs, ts].unsqueeze(-1), g)
-            grad[bs, ts] = dz.div_(tau)
+            grad[bs, ts] = dz if tau == 1.0 else dz.div_(tau)
         return grad, None, None, None
 
 
@@ -87,7 +95,7 @@ class _Entropy(torch.autograd.Function):
         entropy = logits.new_empty((batch, time), dtype=work)  # (B, T)
         lse = torch.empty_like(entropy)  # (B, T)
         for bs, ts in _chunks(batch, time, chunk_tokens):
-            z = logits[bs, ts].to(work) / temperature  # (b, t, V)
+            z = _scaled(logits[bs, ts], work, temperature)  # (b, t, V)
             lse_c = torch.logsumexp(z, dim=-1)  # (b, t)
             probs = torch.exp(z - lse_c.unsqueeze(-1))  # (b, t, V)
             entropy[bs, ts] = lse_c - (probs * z).sum(dim=-1)  # H = lse - E_p[z]

@@ -23,19 +23,6 @@ class EvalTask:
     run: Callable[[argparse.Namespace], int]
 
 
-def load_for_eval(args: argparse.Namespace):
-    """(model, tokenizer); a quantized directory loads through posttrain.quant even before hub knows it."""
-    from posttrain.models.hub import load_model, resolve_model_path
-    from posttrain.quant import is_quantized_dir, load_quantized
-
-    path = resolve_model_path(args.model)
-    if is_quantized_dir(path):
-        from posttrain.models.checkpoint_io import parse_dtype
-
-        return load_quantized(path, device=args.device or "cpu", dtype=parse_dtype(args.dtype))
-    return load_model(path, dtype=args.dtype, device=args.device)
-
-
 # ---- ppl --------------------------------------------------------------------------------------------
 
 
@@ -52,8 +39,9 @@ def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _ppl_run(args: argparse.Namespace) -> int:
     from posttrain.eval.perplexity import evaluate_perplexity
+    from posttrain.models.hub import load_model  # also reads `posttrain quantize` directories
 
-    model, tokenizer = load_for_eval(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     result = evaluate_perplexity(model, tokenizer, args.data, args.column, args.skip, args.max_rows,
                                  args.max_length, args.batch_size, progress=True)
     if args.json:

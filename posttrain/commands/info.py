@@ -1,4 +1,8 @@
-"""`posttrain info --model M [--json]`: what a model is and what it costs in memory."""
+"""`posttrain info --model M [--json] [--config-only]`: what a model is and what it costs in memory.
+
+With --config-only only config.json is read (no weights), so the figures of a model too large for this
+machine, or of a directory holding just its config.json, come out all the same.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,17 @@ import argparse
 import json
 
 from posttrain.commands.common import add_model_arguments
+from posttrain.models.checkpoint_io import parse_dtype, read_hf_config
+from posttrain.models.config import ModelConfig
 from posttrain.models.hub import load_model, resolve_model_path
-from posttrain.models.transformer import Transformer
 
 
-def model_info(model: Transformer, source: str) -> dict:
-    cfg = model.config
-    bytes_per_element = model.dtype.itemsize
-    n_params = model.num_parameters()
-    return {
+def model_info(cfg: ModelConfig, dtype_name: str, bytes_per_element: int, n_params: int, source: str) -> dict:
+    info = {
         "source": source,
         "architecture": cfg.model_type,
         "parameters": n_params,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": dtype_name,
         "weights_bytes": n_params * bytes_per_element,
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
@@ -26,8 +28,7 @@ def model_info(model: Transformer, source: str) -> dict:
         "attention_heads": cfg.num_attention_heads,
         "kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "attention": "MHA" if cfg.num_key_value_heads == cfg.num_attention_heads
-        else ("MQA" if cfg.num_key_value_heads == 1 else "GQA"),
+        "attention": _attention_kind(cfg),
         "vocab_size": cfg.vocab_size,
         "context_length": cfg.max_position_embeddings,
         "rope": (cfg.rope_scaling or {}).get("rope_type", "default"),
@@ -35,6 +36,37 @@ def model_info(model: Transformer, source: str) -> dict:
         "tied_embeddings": cfg.tie_word_embeddings,
         "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(bytes_per_element),
     }
+    if cfg.sliding_window is not None:
+        sliding = cfg.num_hidden_layers if cfg.layer_types is None else cfg.layer_types.count("sliding_attention")
+        info["sliding_window"] = f"{cfg.sliding_window} tokens in {sliding} of {cfg.num_hidden_layers} layers"
+    if cfg.mla is not None:
+        mla = cfg.mla
+        info["kv_lora_rank"] = mla.kv_lora_rank
+        info["q_lora_rank"] = mla.q_lora_rank
+        info["qk_head_dim"] = f"{mla.qk_nope_head_dim} + {mla.qk_rope_head_dim} rotary"
+        info["v_head_dim"] = mla.v_head_dim
+        # What the same heads would cache as plain multi-head attention (per-head K and V, expanded).
+        info["kv_cache_bytes_per_token_as_mha"] = (
+            cfg.num_hidden_layers * cfg.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim) * bytes_per_element
+        )
+    if cfg.moe is not None:
+        moe = cfg.moe
+        sparse = sum(moe.is_sparse(i) for i in range(cfg.num_hidden_layers))
+        shared = f", shared expert {moe.shared_expert_intermediate_size}" if moe.shared_expert_intermediate_size else ""
+        info["experts"] = (f"{moe.num_experts_per_tok} of {moe.num_experts} per token ({moe.router}{shared}) "
+                           f"in {sparse} layers")
+        info["active_parameters"] = n_params - sparse * (moe.num_experts - moe.num_experts_per_tok) * (
+            3 * cfg.hidden_size * moe.moe_intermediate_size
+        )
+    return info
+
+
+def _attention_kind(cfg: ModelConfig) -> str:
+    if cfg.mla is not None:
+        return "MLA"
+    if cfg.num_key_value_heads == cfg.num_attention_heads:
+        return "MHA"
+    return "MQA" if cfg.num_key_value_heads == 1 else "GQA"
 
 
 def _human(n: float) -> str:
@@ -48,20 +80,29 @@ def _human(n: float) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--config-only", action="store_true",
+                        help="read config.json only, no weights (dtype from --dtype, else the config's, else float32)")
 
 
 def run(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
-    model, _ = load_model(path, dtype=args.dtype, device=args.device or "cpu")
-    info = model_info(model, str(path))
+    if args.config_only:
+        cfg = read_hf_config(path)
+        hf = json.loads((path / "config.json").read_text())
+        dtype = parse_dtype(args.dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        n_params = cfg.num_parameters
+    else:
+        model, _ = load_model(path, dtype=args.dtype, device=args.device or "cpu")
+        cfg, dtype, n_params = model.config, model.dtype, model.num_parameters()
+    info = model_info(cfg, str(dtype).removeprefix("torch."), dtype.itemsize, n_params, str(path))
     if args.json:
         print(json.dumps(info))
         return 0
     width = max(len(k) for k in info)
     for key, value in info.items():
-        if key.endswith("_bytes") or key.endswith("_per_token"):
+        if key.endswith("_bytes") or "_bytes_per_token" in key:
             value = f"{value} ({_human(value)})"
-        elif key == "parameters":
+        elif key.endswith("parameters"):
             value = f"{value} ({value / 1e6:.1f}M)"
         print(f"{key:<{width}}  {value}")
     return 0

@@ -53,6 +53,17 @@ def _vote_format(rows: Sequence[Mapping[str, Any]], source: str) -> str:
     return votes.most_common(1)[0][0]
 
 
+def peek_format(cfg: DataConfig, path: str | Path | None = None) -> str:
+    """The format `read_examples` will use for `path` (default `cfg.path`), reading only the rows that vote
+    on it: lets a trainer pick its data path (or refuse the file) before it loads a model."""
+    if cfg.format != "auto":
+        return cfg.format
+    path = Path(path if path is not None else cfg.path)
+    head = itertools.islice(read_rows(path, split=cfg.split, on_error=lambda n, reason: None), DETECT_ROWS)
+    renamed = (_try(rename_columns, row, cfg.columns) for _, row in head)
+    return _vote_format([row for row in renamed if isinstance(row, dict)], str(path))
+
+
 def read_examples(cfg: DataConfig, path: str | Path | None = None, bad: BadRowLog | None = None) -> LoadedExamples:
     """Parse and check every row of `path` (default `cfg.path`). Bad rows go to `bad`; the caller
     decides when to apply the bad-row threshold (after tokenization adds its own rejects)."""

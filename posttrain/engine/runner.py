@@ -47,6 +47,9 @@ class ModelRunner:
                 raise PosttrainError(f"cuda_graphs=True needs a model on a CUDA device (it is on {self.device})")
             if (model.config.rope_scaling or {}).get("rope_type") == "dynamic":
                 raise PosttrainError("cuda_graphs=True does not support dynamic rope scaling (it syncs on positions)")
+            if model.config.moe is not None:
+                raise PosttrainError("cuda_graphs=True does not support mixture-of-experts models (routing syncs on "
+                                     "the number of tokens per expert)")
         self.allocate_kv_cache()
 
     @property
@@ -63,7 +66,9 @@ class ModelRunner:
         cfg = self.model.config
         # With CUDA graphs one extra block, never handed out, takes the writes of padding rows.
         num_blocks = self.num_blocks + (1 if self.config.cuda_graphs else 0)
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # (2, blocks, block_size, Hkv, D) for K and V, or (1, ..., 1, latent) for latent attention: the
+        # block axis is 1 either way, which is all copy_blocks and the graphs rely on.
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         # Zeros, not empty: unused slots are masked, but 0 * NaN garbage would still poison the sums.
         with torch.inference_mode():
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)

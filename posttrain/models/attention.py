@@ -1,7 +1,7 @@
 """One Attention module with two paths chosen by the metadata it is given.
 
 - Dense path (training, scoring): tokens as (B, T); `DenseAttentionMetadata` carries the mask that
-  encodes causality, padding, packed segments and the sliding window.
+  encodes causality, padding and packed segments; it builds each sliding window's mask on demand.
 - Paged path (the rollout engine): tokens flattened to (N,) across sequences; `PagedAttentionMetadata`
   carries the per-layer KV cache blocks and where each new token's K/V goes. The engine fills it in;
   the kernel lives in `paged_attention.py`.
@@ -11,7 +11,7 @@ The model knows nothing of the engine: these dataclasses are the whole contract.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,29 @@ from posttrain.models.layers import RMSNorm, apply_rotary
 
 @dataclass
 class DenseAttentionMetadata:
-    """mask (B, 1, T, T) bool, True where query t may attend key s; None means plain causal."""
+    """mask (B, 1, T, T) bool, True where query t may attend key s; None means plain causal.
+
+    positions (B, T): the tokens' positions; layers with a sliding window keep keys whose position is
+    less than `window` before the query's (positions, not indices, so packed rows whose completions
+    share a prompt slide correctly). The windowed masks are built once per forward, on first use.
+    """
 
     mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    def mask_for_window(self, window: int | None, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """The mask for a layer with this sliding window (None: full attention, the plain mask)."""
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            idx = torch.arange(seq_len, device=device)
+            base = self.mask if self.mask is not None else (idx[None, :] <= idx[:, None])[None, None]  # (B|1, 1, T, T)
+            pos = self.positions if self.positions is not None else idx[None]  # (B|1, T)
+            near = (pos[:, None, :, None] - pos[:, None, None, :]) < window  # (B|1, 1, T, T)
+            eye = torch.eye(seq_len, dtype=torch.bool, device=device)[None, None]
+            self._windowed[window] = (base & near) | eye
+        return self._windowed[window]
 
 
 @dataclass
@@ -101,7 +121,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.attention_window(layer_idx)
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias, device=device)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=bias, device=device)
@@ -132,9 +152,14 @@ class Attention(nn.Module):
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DenseAttentionMetadata) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        gqa = self.n_heads != self.n_kv_heads
-        if meta.mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)
-        return out.transpose(1, 2)  # (B, T, H, D)
+        return dense_attention(q, k, v, meta.mask_for_window(self.sliding_window, q.shape[2], q.device)).transpose(1, 2)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    """SDPA over (B, H, T, D) q and (B, Hkv, T, D) k/v (v may have its own last size); mask None = causal."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)

@@ -74,6 +74,8 @@ def build_model(
         if name is None or name not in expected:
             if hf_name.endswith("rotary_emb.inv_freq"):  # some old checkpoints store this buffer
                 continue
+            if _is_extra_layer(cfg, hf_name):
+                continue
             raise CheckpointError(f"{source}: unexpected tensor {hf_name!r} for a {cfg.model_type} model")
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
@@ -92,6 +94,14 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(device)
+
+
+def _is_extra_layer(cfg: ModelConfig, hf_name: str) -> bool:
+    """DeepSeek-V3 checkpoints append their multi-token-prediction module as layers past num_hidden_layers;
+    it plays no part in next-token logits (transformers skips it too)."""
+    parts = hf_name.split(".")
+    return (cfg.model_type == "deepseek_v3" and len(parts) > 2 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and int(parts[2]) >= cfg.num_hidden_layers)
 
 
 def read_hf_config(path: Path) -> ModelConfig:

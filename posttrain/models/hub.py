@@ -112,10 +112,16 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """Load (model, tokenizer) from an HF directory, a GGUF file or a known name; model in eval mode."""
+    """Load (model, tokenizer) from an HF directory, a GGUF file, a `posttrain quantize` directory or a
+    known name; model in eval mode. A quantized directory keeps its stored float dtype unless `dtype` is given."""
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = parse_dtype(dtype) or default_dtype(device)
     path = resolve_model_path(name_or_path)
+    from posttrain.quant.io import is_quantized_dir, load_quantized_dir  # lazy: quant builds on this module
+
+    if is_quantized_dir(path):
+        model = load_quantized_dir(path, device=device, dtype=parse_dtype(dtype))
+        return model, load_tokenizer(path)
+    torch_dtype = parse_dtype(dtype) or default_dtype(device)
     model = load_hf_dir(path, dtype=torch_dtype, device=device).eval()
     tokenizer = load_tokenizer(path)
     return model, tokenizer

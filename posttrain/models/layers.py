@@ -150,3 +150,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's convention: dims (0, 1), (2, 3), ... are the rotated pairs. x (..., T, H, D), cos/sin
+    (..., T, D) as RotaryEmbedding makes them (the two halves repeat, so the first half is per pair).
+
+    The result comes out de-interleaved (rotated evens, then rotated odds), as transformers' DeepSeek-V3
+    does: q and k get the same permutation, so their dot products are unchanged."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(-2).to(x.dtype), sin[..., :half].unsqueeze(-2).to(x.dtype)  # (..., T, 1, D/2)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

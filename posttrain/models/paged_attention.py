@@ -88,26 +88,41 @@ def _reference_attend(
     L = max_blocks * block_size
     keys = cache[0][meta.block_tables].view(S, L, *cache.shape[-2:]).transpose(1, 2)  # (S, Hkv, L, D)
     values = cache[1][meta.block_tables].view(S, L, *cache.shape[-2:]).transpose(1, 2)
-    Q = meta.max_query_len
-    if Q == 1:
-        queries = q.unsqueeze(2)  # (S, H, 1, D)
-    else:
-        queries = _pad_queries(q, meta.query_lens, Q)  # (S, H, Q, D)
-    # Query i of sequence s sits at absolute position context_len - query_len + i.
-    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(Q, device=q.device)[None]  # (S, Q)
-    k_pos = torch.arange(L, device=q.device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (S, Q, L) causal and within the context
-    if sliding_window is not None:
-        mask &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+    queries = sequence_queries(q, meta)  # (S, H, Q, D)
+    mask = context_mask(meta, L, sliding_window)  # (S, Q, L)
     out = F.scaled_dot_product_attention(
         queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=q.shape[1] != keys.shape[1]
     )  # (S, H, Q, D)
-    if Q == 1:
+    return flat_outputs(out, meta)
+
+
+def sequence_queries(q: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+    """(N, H, D) flat queries -> (S, H, Q, D), Q = max_query_len (zeros pad shorter sequences)."""
+    if meta.max_query_len == 1:
+        return q.unsqueeze(2)
+    return pad_queries(q, meta.query_lens, meta.max_query_len)
+
+
+def flat_outputs(out: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+    """(S, H, Q, D) -> (N, H, D): the inverse of `sequence_queries`."""
+    if meta.max_query_len == 1:
         return out.squeeze(2)
-    return _unpad_queries(out, meta.query_lens)
+    return unpad_queries(out, meta.query_lens)
 
 
-def _pad_queries(q: torch.Tensor, query_lens: torch.Tensor, Q: int) -> torch.Tensor:
+def context_mask(meta: PagedAttentionMetadata, L: int, sliding_window: int | None = None) -> torch.Tensor:
+    """(S, Q, L) bool: query i of sequence s (at position context_len - query_len + i) sees key slot j of
+    its gathered blocks when j is causal, inside the context and, with a window, less than it behind."""
+    device = meta.context_lens.device
+    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len, device=device)[None]  # (S, Q)
+    k_pos = torch.arange(L, device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (S, Q, L)
+    if sliding_window is not None:
+        mask &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+    return mask
+
+
+def pad_queries(q: torch.Tensor, query_lens: torch.Tensor, Q: int) -> torch.Tensor:
     """(N, H, D) flat queries -> (S, H, Q, D), each sequence's queries left-aligned, zeros after."""
     S = query_lens.shape[0]
     seq_of_token = torch.repeat_interleave(torch.arange(S, device=q.device), query_lens)  # (N,)
@@ -118,7 +133,7 @@ def _pad_queries(q: torch.Tensor, query_lens: torch.Tensor, Q: int) -> torch.Ten
     return padded.transpose(1, 2)
 
 
-def _unpad_queries(out: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+def unpad_queries(out: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
     """(S, H, Q, D) -> (N, H, D), dropping the padding rows."""
     S, H, Q, D = out.shape
     valid = torch.arange(Q, device=out.device)[None, :] < query_lens[:, None]  # (S, Q)
@@ -360,8 +375,8 @@ def _prefill_attend(q: torch.Tensor, cache: torch.Tensor, plan: _PrefillPlan) ->
     k, v = _gather(cache, plan.blocks, "prefill")  # (Sp, Hkv, L, D)
     Sp = plan.blocks.shape[0]
     flat = q.index_select(0, plan.token_rows)  # (Np, H, D)
-    queries = _pad_queries(flat, plan.query_lens, plan.max_query_len)  # (Sp, H, Q, D)
+    queries = pad_queries(flat, plan.query_lens, plan.max_query_len)  # (Sp, H, Q, D)
     out = F.scaled_dot_product_attention(
         queries, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.mask, enable_gqa=H != hkv
     )  # (Sp, H, Q, D)
-    return _unpad_queries(out, plan.query_lens)
+    return unpad_queries(out, plan.query_lens)

@@ -16,21 +16,33 @@ from posttrain.models.attention import (
 )
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from posttrain.models.mla import LatentAttention
+from posttrain.models.moe import FFN_NAMES, MoEBlock
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)).
+
+    The attention is grouped-query or, with cfg.mla, latent; the feed-forward is a SwiGLU MLP or, in the
+    layers cfg.moe makes sparse, a mixture of experts. The FFN sits under the checkpoints' attribute name
+    (`mlp`, Mixtral's `block_sparse_moe`), held in `ffn_name`.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.self_attn = Attention(cfg, layer_idx, device)
+        self.self_attn = (LatentAttention if cfg.mla is not None else Attention)(cfg, layer_idx, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device)
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_idx):
+            self.ffn_name = FFN_NAMES.get(cfg.model_type, "mlp")
+            self.add_module(self.ffn_name, MoEBlock(cfg.model_type, cfg.hidden_size, cfg.moe, device))
+        else:
+            self.ffn_name = "mlp"
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -90,10 +102,10 @@ class Transformer(nn.Module):
             if positions is None:
                 positions = self._default_positions(input_ids, attention_mask, segment_ids)
             if attn_meta is None:
-                mask = build_dense_mask(
-                    input_ids.shape[1], attention_mask, segment_ids, self.config.sliding_window, input_ids.device
-                )
-                attn_meta = DenseAttentionMetadata(mask)
+                mask = build_dense_mask(input_ids.shape[1], attention_mask, segment_ids, device=input_ids.device)
+                attn_meta = DenseAttentionMetadata(mask, positions)
+            elif attn_meta.positions is None:  # sliding windows are measured in positions
+                attn_meta = DenseAttentionMetadata(attn_meta.mask, positions)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         for layer in self.layers:
@@ -113,6 +125,14 @@ class Transformer(nn.Module):
         if attention_mask is not None:
             return positions_from_mask(attention_mask)
         return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of one layer's paged KV cache: (2, num_blocks, block_size, Hkv, head_dim) with K at [0]
+        and V at [1]; with latent attention (1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim)."""
+        cfg = self.config
+        if cfg.mla is not None:
+            return (1, num_blocks, block_size, 1, cfg.mla.latent_dim)
+        return (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
     @property
     def device(self) -> torch.device:

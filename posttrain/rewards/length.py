@@ -67,10 +67,13 @@ def overlong_penalty(max_len: int, cache_len: int, *, penalty_factor: float = 1.
     penalty_factor = _finite(penalty_factor, "penalty_factor", "overlong_penalty")
     if cache_len > max_len:
         raise RewardError(f"overlong_penalty: need cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
-    expected = max_len - cache_len
 
     def overlong_penalty_fn(prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
-        lengths = completion_lengths(completions, kwargs.get(COMPLETION_IDS_COLUMN))
-        return [penalty_factor * max(-1.0, min(0.0, (expected - n) / cache_len)) for n in lengths]
+        import torch
+
+        from posttrain.algos.advantages import soft_overlong_penalty  # the one definition of the formula
+
+        lengths = torch.tensor(completion_lengths(completions, kwargs.get(COMPLETION_IDS_COLUMN)))  # (B,)
+        return soft_overlong_penalty(lengths, max_len, cache_len, penalty_factor=penalty_factor).tolist()
 
     return overlong_penalty_fn

@@ -6,6 +6,7 @@
     length_penalty:max_len=256[,penalty_factor=0.5]        length_penalty(...)
     overlong_penalty:max_len=256,cache_len=64              overlong_penalty(...)
     reward_model:<dir>                                     RewardModelScorer(<dir>)
+    code_tests[:cpu_seconds=5,memory_mb=512,...]           code_reward(...): run the code against `tests`
     path/to/file.py:function                               that function, imported from the file
 
 Keyword options given to `load_reward` go to the factory, after the ones in the spec string.
@@ -25,6 +26,7 @@ from typing import Any
 from posttrain.errors import PosttrainError
 from posttrain.rewards.answers import boxed, gsm8k, numeric_match
 from posttrain.rewards.base import RewardError, RewardFn
+from posttrain.rewards.code import code_reward
 from posttrain.rewards.format import THINK_ANSWER_PATTERN, format_reward
 from posttrain.rewards.length import length_penalty, overlong_penalty
 from posttrain.rewards.signature import check_reward_signature
@@ -80,6 +82,9 @@ BUILTINS: dict[str, Builtin] = {
     "overlong_penalty": Builtin(_factory(overlong_penalty, "overlong_penalty"), "options",
                                 "overlong_penalty:max_len=<int>,cache_len=<int>[,penalty_factor=<float>]"),
     "reward_model": Builtin(_factory(_reward_model, "reward_model"), "text", "reward_model:<model dir>"),
+    "code_tests": Builtin(_factory(code_reward, "code_tests"), "options",
+                          "code_tests[:cpu_seconds=<s>,wall_seconds=<s>,memory_mb=<MiB>,file_mb=<MiB>,"
+                          "max_processes=<n>,max_workers=<n>]"),
 }
 
 

@@ -3,5 +3,7 @@
 Shared pieces: `sections` (model / optim / train config sections), `optim` (AdamW groups, clipping,
 the optimizer step), `schedule` (warmup + cosine / linear / constant), `accumulate` (gradient
 accumulation with one normaliser), `loop` (seeding, batch stream, the step loop with progress and
-metrics), `checkpoint` (step-N and final HF saves).
+metrics), `checkpoint` (step-N directories: commit marker, rotation), `train_state` (what a checkpoint
+holds and how it is restored, bit-exactly), `resume` (`resume: auto | PATH`), `faults` (skipped non-finite
+updates, abort after `max_bad_steps` in a row).
 """

@@ -14,6 +14,9 @@ Where the completions come from (`mode`):
 
 Held-out evaluation: the mean divergence on held-out dataset completions (eval_loss), before the
 first step and after the last.
+
+With `lora:` (and QLoRA, `quant:`) the student trains adapters only and `final/` is its PEFT adapter; the
+engine samples on-policy completions from the student with its adapters on.
 """
 
 from __future__ import annotations
@@ -39,13 +42,16 @@ from posttrain.errors import PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
-from posttrain.run_dir import make_run_dir
+from posttrain.peft import LoraConfig
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir
+from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -77,9 +83,13 @@ class DistillConfig:
     mode: Literal["off_policy", "on_policy"] = "off_policy"
     max_new_tokens: int = 64  # on_policy: tokens the student samples per prompt
     sample_temperature: float = 1.0  # on_policy: the student's sampling temperature
+    lora: LoraConfig | None = None  # train LoRA adapters on the student only; final/ is then the PEFT adapter
+    quant: str | None = None  # QLoRA: quantize the student's frozen base under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/distill-<timestamp>
+    resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
 
     def validate(self) -> None:
+        check_adapter_options(self.lora, self.quant)
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(DISTILL_LOSSES)})")
         if not 0.0 <= self.beta <= 1.0:
@@ -162,7 +172,7 @@ def train_distill(cfg: DistillConfig) -> Path:
     cfg.validate()
     cfg.teacher.validate()
     seed_everything(cfg.train.seed)
-    student, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    student, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant)
     teacher, teacher_tok = load_model(cfg.teacher.name_or_path, dtype=cfg.teacher.dtype or student.dtype,
                                       device=student.device)
     check_shared_vocab(student, tokenizer, teacher, teacher_tok, cfg.model.name_or_path, cfg.teacher.name_or_path)
@@ -190,7 +200,8 @@ def train_distill(cfg: DistillConfig) -> Path:
     per_step = train_cfg.batch_size * train_cfg.grad_accum
     units = len(prompts) if cfg.mode == "on_policy" else len(rows)
     max_steps = train_cfg.max_steps or steps_for_epochs(units, train_cfg.epochs, per_step)
-    run_dir = make_run_dir("distill", cfg.out, cfg)
+    start = open_run("distill", cfg)
+    run_dir = start.run_dir
     (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     logger.info("distill (%s, %s): %d %s, %d held-out rows; %d steps of %d; run dir %s", cfg.loss, cfg.mode, units,
                 "prompts" if cfg.mode == "on_policy" else "rows", len(eval_rows), max_steps, per_step, run_dir)
@@ -209,9 +220,10 @@ def train_distill(cfg: DistillConfig) -> Path:
             num_kv_blocks=blocks, max_model_len=cfg.data.max_length, max_num_seqs=train_cfg.batch_size,
             max_num_batched_tokens=max(2048, cfg.data.max_length)))
         params = SamplingParams(temperature=cfg.sample_temperature, max_tokens=cfg.max_new_tokens)
-        prompt_stream = batch_stream(prompts, train_cfg.batch_size, seed=train_cfg.seed)
+        stream = prompt_stream = batch_stream(prompts, train_cfg.batch_size, seed=train_cfg.seed)
     else:
-        row_stream = batch_stream(rows, train_cfg.batch_size, seed=train_cfg.seed)
+        stream = row_stream = batch_stream(rows, train_cfg.batch_size, seed=train_cfg.seed)
+    guard = BadStepGuard(train_cfg.max_bad_steps)
 
     def next_rows() -> list[TokenizedRow]:
         if llm is None:
@@ -230,25 +242,29 @@ def train_distill(cfg: DistillConfig) -> Path:
             return {"loss": 0.0, "tokens": 0, "loss_tokens": 0, "empty_step": 1}
         out = accumulate_gradients(
             batches, lambda b: (divergence_sum(student, teacher, b, cfg.loss, kwargs), {"tokens": b.num_tokens}), targets)
-        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+        grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
+        guard.record(step + 1, applied, out["loss"], grad_norm)
         if llm is not None:
             llm.weights_updated()  # the next samples come from the updated student
-        return {**out, "grad_norm": grad_norm, "loss_tokens": targets}
+        return {**out, "grad_norm": grad_norm, "loss_tokens": targets, "skipped_updates": guard.total}
 
+    # On-policy samples draw from torch's generator, which the checkpoint restores with the rest.
+    checkpointer = Checkpointer("distill", run_dir, student, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints)
+    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id)) if eval_rows else None
     with MetricsLogger(run_dir) as metrics:
-        if eval_fn is not None:
+        if eval_fn is not None and start_step == 0:
             before = eval_fn()
             metrics.log(0, before)
             logger.info("distill: held-out %s before training %.4f", cfg.loss, before["eval_loss"])
         last = run_steps(
             step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
             save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-            save_fn=lambda step: save_checkpoint(student, tokenizer, run_dir, step, keep_last=train_cfg.keep_checkpoints),
-            progress=train_cfg.progress, desc=f"distill[{cfg.loss}]",
+            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress, desc=f"distill[{cfg.loss}]",
         )
         if eval_fn is not None:
             logger.info("distill: held-out %s after training %.4f", cfg.loss, last["eval_loss"])
     student.eval()
-    save_final(student, tokenizer, run_dir)
+    save_final_dir(student, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     return run_dir

@@ -9,11 +9,14 @@ Reference log-probs (not for simpo / orpo, which are reference-free):
 - `reference: precompute` — one no-grad pass of the initial model over every train and held-out
   pair before the first step; training then needs one model in memory.
 - `reference: live` — a frozen copy of the initial model computes them for each batch.
-Both give the same numbers (the reference is the initial policy either way).
+Both give the same numbers (the reference is the initial policy either way). With `lora:` (and QLoRA)
+the reference is the policy module itself with its adapters disabled: the base, never a copy.
 
 KTO on pairs: each pair is unpaired into a desirable (chosen) and an undesirable (rejected) example
 (TRL's `unpair_preference_dataset`); the KL reference point uses mismatched rows, the prompt of pair
 i with the chosen completion of pair i+1 of the same split (fixed, so it can be precomputed).
+KTO on an unpaired file (prompt, completion, label rows) runs `kto_unpaired.KTORun` instead: fixed
+batches of desirable / undesirable rows in any mix, KL rows from within each batch, as TRL's KTOTrainer.
 
 Loss normalisation: each loss is a mean over its pairs; a micro-batch contributes mean * pairs, and
 the step divides by all pairs of the step, so grad_accum splits give the batch-mean gradient.
@@ -33,6 +36,7 @@ import inspect
 import json
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,16 +50,25 @@ from posttrain.data.config import DataConfig
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.metrics import MetricsLogger
-from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
-from posttrain.run_dir import make_run_dir
+from posttrain.peft import LoraConfig, disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.adapters import (
+    check_adapter_options,
+    has_adapters,
+    load_trainable,
+    prepare_trainable,
+    save_final_dir,
+)
+from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_row
+from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.train_state import Checkpointer
+from posttrain.trainers.unpaired_data import is_unpaired, load_unpaired
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -80,9 +93,13 @@ class DPOConfig:
     gamma: float | None = None  # simpo's target margin
     desirable_weight: float | None = None  # kto
     undesirable_weight: float | None = None  # kto
+    lora: LoraConfig | None = None  # train LoRA adapters only; the reference is the base (adapters off)
+    quant: str | None = None  # QLoRA: quantize the frozen base (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/dpo-<timestamp>
+    resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
 
     def validate(self) -> None:
+        check_adapter_options(self.lora, self.quant)
         if self.loss not in PREFERENCE_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(PREFERENCE_LOSSES)})")
         accepted = inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters
@@ -156,17 +173,24 @@ class Reference:
         self.kl = {name: kl_rows(p, kto_max_length) for name, p in splits.items() if p} if kto_max_length else {}
         self.model: Transformer | None = None
         self.table: dict[str, dict[str, torch.Tensor]] = {}
+        # With LoRA the base IS the initial policy: its passes run the policy module with the adapters off,
+        # so a live reference costs no second copy of the weights (and QLoRA's stays quantized).
+        self.base_of_policy = has_adapters(policy)
         if mode == "live":
-            self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.model = policy if self.base_of_policy else copy.deepcopy(policy).eval().requires_grad_(False)
         else:
-            for name, pairs in splits.items():
-                if not pairs:
-                    continue
-                entry = {"chosen": frozen_logps(policy, [p.chosen for p in pairs], batch_size, pad_token_id),
-                         "rejected": frozen_logps(policy, [p.rejected for p in pairs], batch_size, pad_token_id)}
-                if name in self.kl:
-                    entry["kl"] = frozen_logps(policy, self.kl[name], batch_size, pad_token_id)
-                self.table[name] = entry
+            with self._reference_weights(policy):
+                for name, pairs in splits.items():
+                    if not pairs:
+                        continue
+                    entry = {"chosen": frozen_logps(policy, [p.chosen for p in pairs], batch_size, pad_token_id),
+                             "rejected": frozen_logps(policy, [p.rejected for p in pairs], batch_size, pad_token_id)}
+                    if name in self.kl:
+                        entry["kl"] = frozen_logps(policy, self.kl[name], batch_size, pad_token_id)
+                    self.table[name] = entry
+
+    def _reference_weights(self, model: Transformer) -> AbstractContextManager:
+        return disable_adapters(model) if self.base_of_policy else nullcontext()
 
     def logps(self, split: str, idx: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         device = batch.input_ids.device
@@ -175,11 +199,11 @@ class Reference:
             index = torch.tensor(list(idx))
             kl = t["kl"][index].to(device) if "kl" in t else None
             return t["chosen"][index].to(device), t["rejected"][index].to(device), kl
-        with torch.no_grad():
+        with torch.no_grad(), self._reference_weights(self.model):
             both = sequence_logps(self.model, batch)[0]  # (2B,)
-        kl = None
-        if split in self.kl:
-            kl = frozen_logps(self.model, [self.kl[split][i] for i in idx], len(idx), self.pad_token_id).to(device)
+            kl = None
+            if split in self.kl:
+                kl = frozen_logps(self.model, [self.kl[split][i] for i in idx], len(idx), self.pad_token_id).to(device)
         half = len(idx)
         return both[:half], both[half:], kl
 
@@ -322,60 +346,85 @@ def _write_report(run_dir: Path, report: dict[str, Any]) -> None:
     (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _held_out_summary(record: dict[str, float]) -> str:
+    keys = ("eval_reward_accuracy", "eval_logp_accuracy", "eval_rewards_margins", "eval_kl")
+    return ", ".join(f"{key[5:].replace('_', ' ')} {record[key]:.3f}" for key in keys if key in record)
+
+
 def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: Any = None) -> Path:
     """Train `cfg.model` (or the given module and tokenizer) on `cfg.data` pairs with `cfg.loss`; returns the
     run directory (config.yaml, data_report.json, metrics.jsonl, checkpoints/, final/)."""
     cfg.validate()
+    unpaired = is_unpaired(cfg.data, cfg.loss)  # KTO's prompt/completion/label rows; other losses stop here
     seed_everything(cfg.train.seed)
     if model is None:
-        model, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+        model, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant)
     elif tokenizer is None:
         raise ValueError("train_dpo: a model passed as a module needs its tokenizer")
+    else:
+        prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
-    data = load_pairs(cfg.data, tokenizer, cfg.train.seed)
+    if unpaired:
+        data: Any = load_unpaired(cfg.data, tokenizer, cfg.train.seed, cfg.train.batch_size)
+    else:
+        data = load_pairs(cfg.data, tokenizer, cfg.train.seed)
     if cfg.loss == "kto" and len(data.train) < 2:
         raise DataError("kto needs at least two training pairs")
     train_cfg, optim_cfg = cfg.train, cfg.optim
     per_step = train_cfg.batch_size * train_cfg.grad_accum
     max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
-    run_dir = make_run_dir("dpo", cfg.out, cfg)
+    start = open_run("dpo", cfg)
+    run_dir = start.run_dir
     _write_report(run_dir, data.report)
-    logger.info("dpo (%s, reference %s): %d train / %d held-out pairs of %s (%d bad, skipped); %d steps of %d pairs; run dir %s",
-                cfg.loss, cfg.reference if cfg.uses_reference else "none", len(data.train), len(data.eval),
-                data.report["format"], len(data.report["bad_rows"]), max_steps, per_step, run_dir)
+    unit = "rows" if unpaired else "pairs"
+    logger.info("dpo (%s, reference %s): %d train / %d held-out %s of %s (%d bad, skipped); %d steps of %d %s; run dir %s",
+                cfg.loss, cfg.reference if cfg.uses_reference else "none", len(data.train), len(data.eval), unit,
+                data.report["format"], len(data.report["bad_rows"]), max_steps, per_step, unit, run_dir)
 
     model.train()
-    run = DPORun(cfg, model, data.train, data.eval, pad_id)
+    if unpaired:
+        from posttrain.trainers.kto_unpaired import KTORun  # it builds on this module's log-prob pieces
+
+        run: Any = KTORun(cfg, model, data, pad_id)
+    else:
+        run = DPORun(cfg, model, data.train, data.eval, pad_id)
     optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
         optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
-    stream = batch_stream(range(len(data.train)), train_cfg.batch_size, seed=train_cfg.seed)
+    if unpaired:
+        stream = run.batch_stream(train_cfg.seed)  # fixed KTO batches: their KL rows are scored in advance
+    else:
+        stream = batch_stream(range(len(data.train)), train_cfg.batch_size, seed=train_cfg.seed)
+    guard = BadStepGuard(train_cfg.max_bad_steps)
 
     def step_fn(step: int) -> dict[str, float]:
         out = run.step([next(stream) for _ in range(train_cfg.grad_accum)])
-        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
-        return {**out, "grad_norm": grad_norm}
+        grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
+        guard.record(step + 1, applied, out["loss"], grad_norm)
+        return {**out, "grad_norm": grad_norm, "skipped_updates": guard.total}
 
+    # Built after the reference took the initial weights: a restore then changes only the policy.
+    checkpointer = Checkpointer("dpo", run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints)
+    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = run.evaluate if data.eval else None
     with MetricsLogger(run_dir) as metrics:
-        if eval_fn is not None:
+        if eval_fn is not None and start_step == 0:
             before = eval_fn()
             metrics.log(0, before)
-            logger.info("dpo: held-out before training: reward accuracy %.3f, logp accuracy %.3f (%d pairs)",
-                        before["eval_reward_accuracy"], before["eval_logp_accuracy"], len(data.eval))
+            logger.info("dpo: held-out before training: %s (%d %s)", _held_out_summary(before), len(data.eval), unit)
         last = run_steps(
             step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
             save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-            save_fn=lambda step: save_checkpoint(model, tokenizer, run_dir, step, keep_last=train_cfg.keep_checkpoints),
-            progress=train_cfg.progress, desc=f"dpo[{cfg.loss}]",
+            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress, desc=f"dpo[{cfg.loss}]",
+            postfix={"acc": "rewards/accuracies", "margin": "rewards/margins"},
         )
         if eval_fn is not None:
-            logger.info("dpo: held-out after training: reward accuracy %.3f, logp accuracy %.3f",
-                        last["eval_reward_accuracy"], last["eval_logp_accuracy"])
+            logger.info("dpo: held-out after training: %s", _held_out_summary(last))
     model.eval()
-    save_final(model, tokenizer, run_dir)
+    save_final_dir(model, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     return run_dir

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -36,22 +36,54 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def batch_stream(items: Sequence[T], batch_size: int, seed: int, shuffle: bool = True) -> Iterator[list[T]]:
+class BatchStream(Generic[T]):
     """Endless batches over reshuffled epochs (epoch e shuffled by Random(seed + e)). A batch may span
-    the end of one epoch and the start of the next, so every batch is full."""
-    if not items:
-        raise ValueError("no items to batch")
-    epoch, batch = 0, []
-    while True:
-        order = list(range(len(items)))
-        if shuffle:
-            random.Random(seed + epoch).shuffle(order)
-        for i in order:
-            batch.append(items[i])
-            if len(batch) == batch_size:
-                yield batch
-                batch = []
-        epoch += 1
+    the end of one epoch and the start of the next, so every batch is full.
+
+    Batch b holds positions [b * batch_size, (b + 1) * batch_size) of the epochs laid end to end, so the
+    stream can start at any batch without replaying the ones before it: `position` counts the batches
+    drawn and is all a checkpoint needs (`state_dict`)."""
+
+    def __init__(self, items: Sequence[T], batch_size: int, seed: int, shuffle: bool = True, start: int = 0) -> None:
+        if not items:
+            raise ValueError("no items to batch")
+        if batch_size < 1 or start < 0:
+            raise ValueError(f"batch_size must be >= 1 and start >= 0, got {batch_size} and {start}")
+        self.items, self.batch_size, self.seed, self.shuffle = items, batch_size, seed, shuffle
+        self.position = start
+        self._epoch, self._order = -1, []
+
+    def _order_of(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:  # one shuffle per epoch, kept while the stream is in it
+            order = list(range(len(self.items)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    def __next__(self) -> list[T]:
+        n = len(self.items)
+        first = self.position * self.batch_size
+        batch = []
+        for flat in range(first, first + self.batch_size):
+            epoch, offset = divmod(flat, n)
+            batch.append(self.items[self._order_of(epoch)[offset]])
+        self.position += 1
+        return batch
+
+    def __iter__(self) -> BatchStream[T]:
+        return self
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def batch_stream(items: Sequence[T], batch_size: int, seed: int, shuffle: bool = True, start: int = 0) -> BatchStream[T]:
+    """`BatchStream(items, batch_size, seed, shuffle, start)`: endless, resumable batches."""
+    return BatchStream(items, batch_size, seed, shuffle, start)
 
 
 def steps_for_epochs(num_items: int, epochs: float, items_per_step: int) -> int:
@@ -71,18 +103,22 @@ def run_steps(
     eval_fn: Callable[[], dict[str, float]] | None = None,
     progress: bool = True,
     desc: str = "train",
+    postfix: dict[str, str] | None = None,
+    start_step: int = 0,
 ) -> dict[str, float]:
-    """Run `max_steps` steps; returns the last step's record.
+    """Run steps `start_step`..`max_steps - 1` (a resumed run starts past 0); returns the last step's record.
 
     Records are written under step numbers 1..max_steps (the count of finished updates) with `lr`
     (the rate that step used), `step_time` (s) and `tokens_per_s` added to the step's own metrics.
     `save_fn(step)` runs every `save_every` steps (not after the last: the caller saves the final
     model); `eval_fn()` every `eval_every` steps and after the last one, its metrics logged too.
+    `postfix` adds the trainer's headline metrics to the bar: {label: metric key} (a key the step
+    does not return is left out), e.g. DPO's pairwise accuracy and margin next to the loss.
     """
     record: dict[str, float] = {}
-    bar = tqdm(total=max_steps, desc=desc, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=max_steps, initial=start_step, desc=desc, disable=not progress, dynamic_ncols=True)
     try:
-        for step in range(max_steps):
+        for step in range(start_step, max_steps):
             lr = optimizer.param_groups[0]["lr"]
             start = time.perf_counter()
             out = step_fn(step)
@@ -93,8 +129,9 @@ def run_steps(
                 record.update(eval_fn())
             if metrics is not None and (done % log_every == 0 or done == max_steps or "eval_loss" in record):
                 metrics.log(done, record)
-            bar.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            refresh=False)
+            shown = {"loss": f"{out['loss']:.4f}"}
+            shown.update({label: f"{float(out[key]):.3g}" for label, key in (postfix or {}).items() if key in out})
+            bar.set_postfix(**shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
             if save_fn is not None and save_every and done % save_every == 0 and done != max_steps:
                 save_fn(done)

@@ -61,19 +61,22 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     max_grad_norm: float | None,
+    loss: float | None = None,
 ) -> tuple[float, bool]:
     """Clip, step, advance the schedule, clear the gradients. Returns (grad_norm, applied).
 
-    A non-finite gradient norm (an overflow or a NaN loss) skips the update instead of writing NaN
-    into every weight; the schedule still advances so the step count stays honest.
+    A non-finite `loss` (when given) or gradient norm (an overflow, a NaN) skips the update instead of
+    writing NaN into every weight: weights and optimizer state stay as they were. The schedule still
+    advances so the step count stays honest. `faults.BadStepGuard` counts the skips and ends a run
+    that keeps producing them.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = clip_gradients(params, max_grad_norm)
-    applied = math.isfinite(grad_norm)
+    applied = math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))
     if applied:
         optimizer.step()
     else:
-        logger.warning("non-finite gradient norm (%s): update skipped", grad_norm)
+        logger.debug("non-finite loss %s / gradient norm %s: update skipped", loss, grad_norm)
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -34,10 +34,7 @@ class PairRow:
     @property
     def prompt_length(self) -> int:
         """Leading tokens of `chosen` that carry no label (the prompt)."""
-        for i, label in enumerate(self.chosen.labels):
-            if label != IGNORE_INDEX:
-                return i
-        return len(self.chosen)
+        return prompt_length(self.chosen)
 
 
 @dataclass
@@ -86,10 +83,20 @@ def load_pairs(cfg: DataConfig, tokenizer: Any, seed: int, tokenize: TokenizePai
     return PairData(train, held, report)
 
 
-def mismatched_row(prompt_of: PairRow, completion_of: PairRow, max_length: int) -> TokenizedRow:
-    """The prompt of one pair followed by the chosen completion of another (KTO's KL estimate rows),
-    cut to `max_length`. Assumes the template's prefix property (as the completion masks do)."""
-    p, c = prompt_of.prompt_length, completion_of.prompt_length
-    ids = prompt_of.chosen.input_ids[:p] + completion_of.chosen.input_ids[c:]
-    labels = [IGNORE_INDEX] * p + completion_of.chosen.labels[c:]
+def prompt_length(row: TokenizedRow) -> int:
+    """Leading tokens of `row` that carry no label (the prompt)."""
+    return next((i for i, label in enumerate(row.labels) if label != IGNORE_INDEX), len(row))
+
+
+def splice_rows(prompt_of: TokenizedRow, completion_of: TokenizedRow, max_length: int) -> TokenizedRow:
+    """The prompt of one row followed by the completion of another (KTO's KL estimate rows), cut to
+    `max_length`. Assumes the template's prefix property (as the completion masks do)."""
+    p, c = prompt_length(prompt_of), prompt_length(completion_of)
+    ids = prompt_of.input_ids[:p] + completion_of.input_ids[c:]
+    labels = [IGNORE_INDEX] * p + completion_of.labels[c:]
     return TokenizedRow(ids[:max_length], labels[:max_length])
+
+
+def mismatched_row(prompt_of: PairRow, completion_of: PairRow, max_length: int) -> TokenizedRow:
+    """The prompt of one pair followed by the chosen completion of another, cut to `max_length`."""
+    return splice_rows(prompt_of.chosen, completion_of.chosen, max_length)

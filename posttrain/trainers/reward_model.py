@@ -7,6 +7,11 @@ scorer's own `encode_for_scoring` (a sequence over `data.max_length` is skipped,
 (and every checkpoint) is an HF directory plus `score.safetensors`, which `RewardModelScorer(dir)`
 and the RL trainer's model reward load as is.
 
+With `lora:` (and QLoRA) the trunk trains adapters only and the head trains in full beside them (a fresh
+head must learn); `final/` is then the PEFT adapter plus `score.safetensors`. `posttrain lora-merge` with
+the base gives the trunk as an HF directory; with `score.safetensors` copied next to it, that directory is
+the reward model.
+
 Chosen and rejected sequences of a micro-batch go through one forward (2B right-padded rows).
 """
 
@@ -29,17 +34,19 @@ from posttrain.data.formats import Preference
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError, RowError
 from posttrain.metrics import MetricsLogger
-from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
+from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import encode_for_scoring, save_score_head
-from posttrain.run_dir import final_dir, make_run_dir
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir
+from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.preference_data import PairRow, load_pairs
+from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -51,9 +58,13 @@ class RMConfig:
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_ratio=0.05))
     train: TrainSection = field(default_factory=TrainSection)
     center_rewards_coefficient: float = 0.0  # > 0: add c * mean((r_w + r_l)^2)
+    lora: LoraConfig | None = None  # train LoRA adapters on the trunk (the score head always trains in full)
+    quant: str | None = None  # QLoRA: quantize the frozen trunk (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/rm-<timestamp>
+    resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
 
     def validate(self) -> None:
+        check_adapter_options(self.lora, self.quant)
         if self.center_rewards_coefficient < 0:
             raise ValueError(f"center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
@@ -124,16 +135,18 @@ def train_reward_model(cfg: RMConfig) -> Path:
     """Train a reward model on `cfg.data` pairs; returns the run dir, whose `final/` is a reward-model directory."""
     cfg.validate()
     seed_everything(cfg.train.seed)
-    trunk, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    trunk, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
     data = load_pairs(cfg.data, tokenizer, cfg.train.seed, tokenize=tokenize_pair_for_scoring)
+    # The head is made after the adapters: apply_lora freezes every parameter it finds, and the head must train.
     rm = RewardModel(trunk, new_score_head(trunk.config.hidden_size, trunk.device)).train()
     train_cfg, optim_cfg = cfg.train, cfg.optim
     per_step = train_cfg.batch_size * train_cfg.grad_accum
     max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
-    run_dir = make_run_dir("rm", cfg.out, cfg)
+    start = open_run("rm", cfg)
+    run_dir = start.run_dir
     (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     logger.info("rm: %d train / %d held-out pairs of %s; %d steps of %d pairs; run dir %s",
                 len(data.train), len(data.eval), data.report["format"], max_steps, per_step, run_dir)
@@ -144,6 +157,7 @@ def train_reward_model(cfg: RMConfig) -> Path:
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
     stream = batch_stream(data.train, train_cfg.batch_size, seed=train_cfg.seed)
+    guard = BadStepGuard(train_cfg.max_bad_steps)
 
     def loss_sum(pairs: list[PairRow]) -> tuple[torch.Tensor, dict[str, float]]:
         chosen, rejected = pair_scores(rm, pairs, pad_id)
@@ -155,26 +169,30 @@ def train_reward_model(cfg: RMConfig) -> Path:
         micro = [next(stream) for _ in range(train_cfg.grad_accum)]
         pairs = sum(len(m) for m in micro)
         out = accumulate_gradients(micro, loss_sum, pairs)
-        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
+        grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
+        guard.record(step + 1, applied, out["loss"], grad_norm)
         means = {k: v / pairs for k, v in out.items() if k not in ("loss", "tokens")}
-        return {"loss": out["loss"], **means, "tokens": out["tokens"], "pairs": pairs, "grad_norm": grad_norm}
+        return {"loss": out["loss"], **means, "tokens": out["tokens"], "pairs": pairs, "grad_norm": grad_norm,
+                "skipped_updates": guard.total}
 
-    def save_fn(step: int) -> None:
-        path = save_checkpoint(trunk, tokenizer, run_dir, step, keep_last=train_cfg.keep_checkpoints)
-        save_score_head(rm.head, path)
-
+    # A checkpoint is a reward-model directory too (score.safetensors beside the trunk); the head is also in
+    # modules.safetensors, which the resume reads.
+    checkpointer = Checkpointer("rm", run_dir, trunk, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+                                modules={"head": rm.head}, state={"data": stream, "faults": guard},
+                                keep_last=train_cfg.keep_checkpoints, write_extras=lambda d: save_score_head(rm.head, d))
+    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id)) if data.eval else None
     with MetricsLogger(run_dir) as metrics:
-        if eval_fn is not None:
+        if eval_fn is not None and start_step == 0:
             before = eval_fn()
             metrics.log(0, before)
             logger.info("rm: held-out accuracy before training %.3f (%d pairs)", before["eval_accuracy"], len(data.eval))
         last = run_steps(step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
                          save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-                         save_fn=save_fn, progress=train_cfg.progress, desc="rm")
+                         save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress, desc="rm")
         if eval_fn is not None:
             logger.info("rm: held-out accuracy after training %.3f", last["eval_accuracy"])
     rm.eval()
-    save_final(trunk, tokenizer, run_dir)
-    save_score_head(rm.head, final_dir(run_dir))
+    final = save_final_dir(trunk, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    save_score_head(rm.head, final)
     return run_dir

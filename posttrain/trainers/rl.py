@@ -43,8 +43,10 @@ from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, P
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import PosttrainError
 from posttrain.metrics import MetricsLogger
+from posttrain.models.moe import router_loss_and_metrics
 from posttrain.rewards import RewardSpec
-from posttrain.run_dir import final_dir, make_run_dir
+from posttrain.trainers.adapters import has_adapters, prepare_trainable, save_final_dir
+from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.ppo import ValueHead, ppo_advantages, save_value_head
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups, packed_forward
 from posttrain.trainers.rl_config import (
@@ -58,6 +60,7 @@ from posttrain.trainers.rl_config import (
 )
 from posttrain.trainers.rl_metrics import StepTimer, WeightedMeans, headline, nan_stats, peak_memory_gb, progress_bar
 from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.rollout import (
     OverlongShaping,
@@ -70,6 +73,7 @@ from posttrain.trainers.rollout import (
     load_reward_specs,
     make_prompt_source,
 )
+from posttrain.trainers.train_state import Checkpointer
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
@@ -97,6 +101,9 @@ class RLRun:
     reference: nn.Module | None = None  # a frozen copy; None with beta == 0 or with LoRA (base = adapters off)
     optimizer_steps: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    guard: BadStepGuard | None = None  # counts skipped (non-finite) updates; set by setup_run
+    checkpointer: Checkpointer | None = None  # set by setup_run
+    start_step: int = 0  # RL steps already done: > 0 when resumed from a checkpoint
 
     @property
     def device(self) -> torch.device:
@@ -135,19 +142,17 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     held_out = source.held_out(cfg.data.eval_size) if cfg.data.eval_size else []
     if (model is None) != (tokenizer is None):
         raise PosttrainError("pass both model= and tokenizer= (or neither, to load model.name_or_path)")
-    run_dir = make_run_dir(command, cfg.out, cfg)  # an occupied --out fails here, before the model loads
+    start = open_run(command, cfg)  # an occupied --out fails here, before the model loads
+    run_dir = start.run_dir
     if model is None:
         from posttrain.models.hub import load_model
 
         model, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
     check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
     torch.manual_seed(cfg.train.seed)
-    if cfg.lora is not None:
-        from posttrain.peft import apply_lora
-
-        apply_lora(model, cfg.lora)
+    prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)  # adapters (over a quantized base with quant)
     reference = None
-    if cfg.kl.beta > 0 and cfg.lora is None:
+    if cfg.kl.beta > 0 and not has_adapters(model):
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     optim = cfg.optim
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
@@ -171,8 +176,37 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if algo.overlong_penalty:
         overlong = OverlongShaping(cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor)
     logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard)
-    return RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
-                 optimizer, scheduler, trainable, logger, value_head, reference)
+    run = RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
+                optimizer, scheduler, trainable, logger, value_head, reference,
+                guard=BadStepGuard(cfg.train.max_bad_steps))
+    # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
+    # copy was taken above from the initial weights, before any restore.
+    run.checkpointer = Checkpointer(
+        command, run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+        modules={"value_head": value_head} if value_head is not None else {},
+        state={"prompts": source, "faults": run.guard, "counters": _Counters(run)},
+        keep_last=cfg.train.keep_checkpoints,
+        write_extras=(lambda d: save_value_head(value_head, d)) if value_head is not None else None,
+    )
+    if start.checkpoint is not None:
+        run.start_step = run.checkpointer.restore(start.checkpoint)
+    return run
+
+
+class _Counters:
+    """The run's optimizer-step count and the engine's policy version, as checkpoint state."""
+
+    def __init__(self, run: RLRun) -> None:
+        self.run = run
+
+    def state_dict(self) -> dict[str, int]:
+        return {"optimizer_steps": self.run.optimizer_steps, "policy_version": self.run.llm.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run.optimizer_steps = int(state["optimizer_steps"])
+        # The engine's version only counts up; on a fresh, idle engine each bump just clears an empty cache.
+        while self.run.llm.policy_version < int(state["policy_version"]):
+            self.run.llm.weights_updated()
 
 
 # ----------------------------------------------------------------------------- one step
@@ -269,7 +303,7 @@ def _share(aggregation: str, mask: Tensor, totals: dict[str, float]) -> float:
     return float((mask.sum(1) > 0).sum()) / max(totals["seqs"], 1.0)
 
 
-def _update(run: RLRun, data: _Batch, adv: Tensor, old: Tensor | None, ref: Tensor | None,
+def _update(run: RLRun, step: int, data: _Batch, adv: Tensor, old: Tensor | None, ref: Tensor | None,
             old_values: Tensor | None, returns: Tensor | None, loss_mask: Tensor,
             timer: StepTimer) -> tuple[dict[str, float], int]:
     """Epochs x minibatches of optimizer steps; returns the metrics and the tokens processed."""
@@ -293,6 +327,7 @@ def _update(run: RLRun, data: _Batch, adv: Tensor, old: Tensor | None, ref: Tens
                       "seqs": float(sum((m.sum(1) > 0).sum() for m in masks)),
                       "rows": float(sum(m.shape[0] for m in masks))}
             run.optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = 0.0  # the sum of the micro-batch losses: the minibatch's loss
             for m, mask in zip(chosen, masks):
                 pack, rows = data.packs[m], data.slices[m]
                 Lm = pack.max_len
@@ -329,7 +364,14 @@ def _update(run: RLRun, data: _Batch, adv: Tensor, old: Tensor | None, ref: Tens
                     metrics.update(v_metrics)
                     metrics["loss/value"] = v_loss.detach()
                     metrics["value/mean"] = masked_mean(out.values.detach(), mask)
+                # Mixture-of-experts models: + the router's load-balancing loss (a token mean), router/* metrics.
+                # Real tokens of a packed row are those that see its first (prompt) token; padding sees itself only.
+                router_loss, router_metrics = router_loss_and_metrics(run.model, pack.mask[:, 0, :, 0])
+                if router_loss is not None:
+                    loss = loss + router_loss * _share("token-mean", mask, totals)
+                metrics.update(router_metrics)
                 loss.backward()
+                minibatch_loss += float(loss.detach())
                 tokens += pack.num_input_tokens
                 share = float(mask.sum())
                 for key in ("loss/policy", "loss/value"):  # minibatch sums, not means: undo the weighting
@@ -337,7 +379,10 @@ def _update(run: RLRun, data: _Batch, adv: Tensor, old: Tensor | None, ref: Tens
                         metrics[key] = metrics[key] * max(totals["tokens"], 1.0) / max(share, 1.0)
                 means.add(metrics, share)
             lr = run.scheduler.get_last_lr()[0]
-            grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm)
+            grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
+                                                loss=minibatch_loss)
+            if run.guard is not None:
+                run.guard.record(step, applied, minibatch_loss, grad_norm)
             means.add({"grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not applied)}, 1.0)
             run.optimizer_steps += 1
             run.llm.weights_updated()  # the engine's next rollout runs on the new weights
@@ -399,7 +444,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
         adv, returns, adv_metrics = _advantages(run, data, behaviour, ref, values, loss_mask)
     metrics.update(adv_metrics)
     with timer("update"):
-        update_metrics, train_tokens = _update(run, data, adv, old, ref, values, returns, loss_mask, timer)
+        update_metrics, train_tokens = _update(run, step, data, adv, old, ref, values, returns, loss_mask, timer)
     metrics.update(update_metrics)
     metrics["tokens/train_per_s"] = train_tokens / max(timer.seconds["update"], 1e-9)
     metrics["policy_version"] = run.llm.policy_version
@@ -451,15 +496,8 @@ def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
 
 
 def _save_final(run: RLRun) -> Path:
-    from posttrain.models.checkpoint_io import save_hf_dir
-
-    out = final_dir(run.run_dir)
-    if run.cfg.lora is not None:
-        from posttrain.peft import save_peft_adapter
-
-        save_peft_adapter(run.model, out, run.cfg.model.name_or_path)
-    else:
-        save_hf_dir(run.model, out, tokenizer=run.tokenizer)
+    # The PEFT adapter with LoRA / QLoRA, else an HF directory; the value head goes beside either.
+    out = save_final_dir(run.model, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
     if run.value_head is not None:
         save_value_head(run.value_head, out)
     return out
@@ -471,17 +509,18 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
     run = setup_run(cfg, command, model=model, tokenizer=tokenizer)
     budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes is not None else math.inf
     bar = progress_bar(cfg.train.max_steps, cfg.log.progress, f"{command} ({run.algo.name})")
+    bar.update(run.start_step)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
     try:
         eval_s = 0.0
-        if cfg.eval.before and run.held_out:
+        if cfg.eval.before and run.held_out and run.start_step == 0:
             before = _evaluate(run, 0, bar)
             eval_s = before["time/eval_s"]
             run.logger.log(0, before)
             summary["accuracy_before"] = before["eval/accuracy"]
         step_times: list[float] = []
-        step = 0
-        for step in range(1, cfg.train.max_steps + 1):
+        step = run.start_step
+        for step in range(run.start_step + 1, cfg.train.max_steps + 1):
             elapsed = time.perf_counter() - started
             next_step = max(step_times[-3:]) if step_times else 0.0
             if elapsed + next_step + eval_s * 1.2 + 10 > budget_s:  # the step, the final eval and the save fit
@@ -497,6 +536,8 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             run.history.append(metrics)
             bar.set_postfix_str(headline(metrics), refresh=False)
             bar.update(1)
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
+                run.checkpointer.save(step)
         summary["steps"] = step
         if run.held_out:
             after = _evaluate(run, step, bar)

@@ -21,6 +21,7 @@ from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, P
 from posttrain.engine.config import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.peft import LoraConfig
+from posttrain.trainers.adapters import check_adapter_options
 from posttrain.trainers.sections import ModelSection, OptimSection
 
 # ----------------------------------------------------------------------------- algorithm presets
@@ -145,9 +146,18 @@ class TrainSection:
     # each token's loss is weighted by min(pi_old / pi_engine, tis_cap). None: off.
     tis_cap: float | None = None
     seed: int = 0
+    save_every: int = 0  # steps between checkpoints/step-N (resumable with resume=auto); 0: only the final model
+    keep_checkpoints: int | None = None  # keep the newest N step checkpoints; null: keep all
+    # An optimizer update with a non-finite loss or gradient norm is skipped (weights untouched); this
+    # many in a row end the run with an error naming the step.
+    max_bad_steps: int = 5
 
     def validate(self) -> None:
         _need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        _need(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every}")
+        _need(self.keep_checkpoints is None or self.keep_checkpoints >= 1,
+              f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
+        _need(self.max_bad_steps >= 1, f"max_bad_steps must be >= 1, got {self.max_bad_steps}")
         _positive("max_minutes", self.max_minutes, allow_none=True)
         _need(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
         for name in ("minibatch_size", "micro_batch_size"):
@@ -267,7 +277,9 @@ class GRPOConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     log: LogSection = field(default_factory=LogSection)
     lora: LoraConfig | None = None  # train LoRA adapters; the KL reference is then the base (adapters off)
+    quant: str | None = None  # QLoRA: quantize the frozen base (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # run directory; None: runs/grpo-<timestamp>
+    resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
     save_final: bool = True
 
     def validate(self) -> None:
@@ -293,7 +305,9 @@ class PPOConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     log: LogSection = field(default_factory=LogSection)
     lora: LoraConfig | None = None
+    quant: str | None = None  # QLoRA, as in GRPOConfig
     out: str | None = None
+    resume: str | None = None  # as in GRPOConfig
     save_final: bool = True
 
     def validate(self) -> None:
@@ -369,6 +383,7 @@ def batch_sizes(cfg: RLConfig) -> tuple[int, int, int]:
 
 def validate_config(cfg: RLConfig) -> None:
     """Cross-section checks; raises ValueError naming the keys (the loader adds the file)."""
+    check_adapter_options(cfg.lora, cfg.quant)
     group = cfg.rollout.samples_per_prompt
     batch, minibatch, micro = batch_sizes(cfg)
     _need(minibatch % group == 0,

@@ -41,6 +41,10 @@ class PromptSource(Protocol):
 
     def held_out(self, n: int) -> list[dict[str, Any]]: ...
 
+    def state_dict(self) -> dict[str, Any]: ...  # plain JSON: where sampling stands, for exact resume
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 class JsonlPrompts:
     """Rows of a JSONL file; the prompt column becomes `prompt` (a string gets the template and system
@@ -99,6 +103,19 @@ class JsonlPrompts:
 
     def held_out(self, n: int) -> list[dict[str, Any]]:
         return [dict(row) for row in self.held_out_rows[:n]]
+
+    def state_dict(self) -> dict[str, Any]:
+        version, words, gauss = self.rng.getstate()
+        return {"rng": [version, list(words), gauss], "order": list(self.order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, words, gauss = state["rng"]
+        order = [int(i) for i in state["order"]]
+        if any(not 0 <= i < len(self.train_rows) for i in order):
+            raise PosttrainError(f"prompt source state: row index out of range for {len(self.train_rows)} training "
+                                 "rows (a different data file?)")
+        self.rng.setstate((version, tuple(words), gauss))
+        self.order = order
 
 
 def make_prompt_source(cfg: DataSection) -> PromptSource:

@@ -63,9 +63,12 @@ class TrainSection:
     keep_checkpoints: int | None = None  # keep the newest N step checkpoints; null: keep all
     eval_every: int = 0  # steps between evaluations (when there is eval data); 0: only at the end
     progress: bool = True  # tqdm progress bar on stderr
+    # An update with a non-finite loss or gradient norm is skipped (weights untouched); this many in a
+    # row end the run with an error naming the step.
+    max_bad_steps: int = 5
 
     def validate(self) -> None:
-        for name in ("batch_size", "grad_accum", "log_every"):
+        for name in ("batch_size", "grad_accum", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:

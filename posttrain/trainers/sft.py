@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from posttrain.algos.logprobs import chunked_cross_entropy
 from posttrain.data.collate import Batch, collate, length_groups
@@ -32,15 +34,18 @@ from posttrain.data.packing import PackedRow, pack_best_fit
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.metrics import MetricsLogger
-from posttrain.models.hub import load_model
+from posttrain.models.moe import add_router_loss
 from posttrain.models.transformer import Transformer
-from posttrain.run_dir import make_run_dir
+from posttrain.peft import LoraConfig
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.checkpoint import save_checkpoint, save_final
+from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir
+from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -72,9 +77,14 @@ class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: OptimSection = field(default_factory=OptimSection)
     train: SFTTrainSection = field(default_factory=SFTTrainSection)
+    lora: LoraConfig | None = None  # train LoRA adapters only; final/ is then the PEFT adapter
+    quant: str | None = None  # QLoRA: quantize the frozen base (int8, int4-g64, ...) under the adapters; needs lora
+    qat: str | None = None  # quantization-aware training toward this scheme; final/ is the quantized model
     out: str | None = None  # the run directory; default runs/sft-<timestamp>
+    resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
 
     def validate(self) -> None:
+        check_adapter_options(self.lora, self.quant, self.qat)
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
             raise ValueError("train.eval_every is set but there is no eval data (data.eval_path or data.eval_fraction)")
 
@@ -89,6 +99,10 @@ def sft_loss_sum(model: Transformer, batch: Batch) -> torch.Tensor:
     """
     hidden = model.hidden_states(batch.input_ids, **batch.model_kwargs())  # (B, T, d)
     keep = batch.targets != IGNORE_INDEX  # (B, T)
+    if not isinstance(model.lm_head, nn.Linear):
+        # LoRA on an (untied) lm_head: the adapter is part of the head, so it runs as a module and the
+        # (N, V) logits are held; there is no bare weight to hand to the chunked loss.
+        return F.cross_entropy(model.logits(hidden[keep]), batch.targets[keep], reduction="sum")
     return chunked_cross_entropy(hidden[keep], model.lm_head.weight, batch.targets[keep], reduction="sum")
 
 
@@ -162,12 +176,15 @@ class SFTSession:
     max_steps: int
     step: Callable[[int], dict[str, float]]
     evaluate: Callable[[], dict[str, float]] | None
+    checkpointer: Checkpointer
+    start_step: int = 0  # steps already done: > 0 when resumed from a checkpoint
 
 
 def start_sft(cfg: SFTConfig) -> SFTSession:
-    """Load the model and data, create the run directory, build the optimizer and the step."""
+    """Load the model (with its adapters, quantized base or fake quantization) and data, create (or reopen,
+    with `resume`) the run directory, build the optimizer and the step, and restore a checkpoint if resuming."""
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    model, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant, qat=cfg.qat)
     model.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
@@ -176,7 +193,8 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     train_cfg, optim_cfg = cfg.train, cfg.optim
     per_step = train_cfg.batch_size * train_cfg.grad_accum
     max_steps = train_cfg.max_steps or steps_for_epochs(len(units), train_cfg.epochs, per_step)
-    run_dir = make_run_dir("sft", cfg.out, cfg)
+    start = open_run("sft", cfg)
+    run_dir = start.run_dir
     _write_report(run_dir, report)
     logger.info("sft: %d rows of %s (%d bad, skipped) -> %d %s; %d steps of %d; run dir %s",
                 report["rows_kept"], report["format"], len(report["bad_rows"]), len(units),
@@ -188,6 +206,7 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
     stream = batch_stream(units, train_cfg.batch_size, seed=train_cfg.seed)
+    guard = BadStepGuard(train_cfg.max_bad_steps)
     device = model.device
     group_cost = default_group_cost(device) if train_cfg.group_cost_tokens is None else train_cfg.group_cost_tokens
 
@@ -196,17 +215,29 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
         # completion-token count, so the update does not depend on how the rows were split.
         batches = [b for _ in range(train_cfg.grad_accum) for b in grouped_batches(next(stream), pad_id, group_cost, device)]
         loss_tokens = sum(b.num_targets for b in batches)
-        out = accumulate_gradients(batches, lambda b: (sft_loss_sum(model, b), {"tokens": b.num_tokens}), loss_tokens)
-        grad_norm, _ = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
-        return {**out, "grad_norm": grad_norm, "loss_tokens": loss_tokens}
+
+        def micro_loss(b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            # Mixture-of-experts models add the router's load-balancing loss and log router/* metrics.
+            loss_sum, router = add_router_loss(model, sft_loss_sum(model, b), b.attention_mask, b.num_targets, loss_tokens)
+            return loss_sum, {"tokens": b.num_tokens, **router}
+
+        out = accumulate_gradients(batches, micro_loss, loss_tokens)
+        grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
+        guard.record(index + 1, applied, out["loss"], grad_norm)
+        return {**out, "grad_norm": grad_norm, "loss_tokens": loss_tokens, "skipped_updates": guard.total}
 
     evaluate_fn = (lambda: evaluate(model, eval_units, train_cfg.batch_size, pad_id, group_cost)) if eval_units else None
-    return SFTSession(model, tokenizer, run_dir, units, eval_units, optimizer, max_steps, step, evaluate_fn)
+    checkpointer = Checkpointer("sft", run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints)
+    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
+    return SFTSession(model, tokenizer, run_dir, units, eval_units, optimizer, max_steps, step, evaluate_fn,
+                      checkpointer, start_step)
 
 
 def train_sft(cfg: SFTConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; returns the run directory (config.yaml, metrics.jsonl,
-    data_report.json, checkpoints/, final/)."""
+    data_report.json, checkpoints/, final/: an HF directory, the PEFT adapter with `lora`, or the quantized
+    model with `qat`)."""
     session = start_sft(cfg)
     train_cfg = cfg.train
     with MetricsLogger(session.run_dir) as metrics:
@@ -214,8 +245,7 @@ def train_sft(cfg: SFTConfig) -> Path:
             session.step, max_steps=session.max_steps, optimizer=session.optimizer, metrics=metrics,
             log_every=train_cfg.log_every, save_every=train_cfg.save_every, eval_every=train_cfg.eval_every,
             eval_fn=session.evaluate, progress=train_cfg.progress, desc="sft",
-            save_fn=lambda step: save_checkpoint(session.model, session.tokenizer, session.run_dir, step,
-                                                 keep_last=train_cfg.keep_checkpoints),
+            save_fn=session.checkpointer.save, start_step=session.start_step,
         )
-    save_final(session.model, session.tokenizer, session.run_dir)
+    save_final_dir(session.model, session.tokenizer, session.run_dir, base_model=cfg.model.name_or_path)
     return session.run_dir

@@ -97,6 +97,14 @@ def test_run_steps_logs_records_saves_and_evaluates(tmp_path):
     assert saved == [2, 4]
 
 
+def test_run_steps_progress_bar_shows_the_trainers_headline_metrics(capsys):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    run_steps(lambda step: {"loss": 0.5, "tokens": 10, "rewards/accuracies": 0.75}, max_steps=2,
+              optimizer=optimizer, progress=True, postfix={"acc": "rewards/accuracies", "margin": "absent"})
+    bar = capsys.readouterr().err
+    assert "acc=0.75" in bar and "loss=0.5000" in bar and "margin" not in bar
+
+
 def test_checkpoints_are_hf_dirs_and_pruned(tmp_path):
     model, tok = tiny_model(), tiny_tokenizer()
     for step in (1, 2, 3):

@@ -1,0 +1,260 @@
+"""`posttrain estimate` against measured peak memory: short real runs of SFT (full and LoRA) and GRPO on
+the default model, each in its own process, peak RSS from the kernel (os.wait4's ru_maxrss).
+
+What is compared:
+- measured: the peak resident set of the whole `posttrain sft|grpo` process, under two allocator settings:
+  `default` (glibc as it comes; the rollout engine also turns trimming off, see
+  EngineConfig.tune_cpu_allocator) and `release` (GLIBC_TUNABLES fixes the mmap and trim thresholds at
+  128 KiB, so every freed tensor goes back to the OS, and the engine leaves malloc alone). Under
+  `default`, glibc keeps freed activation-sized buffers (below its adaptive mmap threshold, up to 32 MiB)
+  resident as heap fragments, so RSS is the live tensors plus that slack; under `release` RSS tracks the
+  live tensors, which is what the estimate counts.
+- estimate: `estimate_memory` for the shapes each run actually had, maximised over its micro-batches,
+  plus the runtime overhead term, measured here once as the peak RSS of a process that imports torch and
+  posttrain's trainers and loads the default tokenizer (what a training process holds before any model
+  tensor). SFT shapes come from replaying the trainer's own batching (batch_stream + length_groups, the
+  same seed), checked against the token counts the run logged; GRPO shapes come from the run's metrics
+  (samples, mean response length, trained tokens) and the engine's KV-pool sizing rule.
+- time: the estimate's step seconds at the CPU default throughput against the logged step time
+  (informative only: the machine is shared).
+
+    OMP_NUM_THREADS=1 python benchmarks/estimate.py           # one JSON line at the end
+    python benchmarks/estimate.py --cases sft-full grpo --allocators release
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+CASES = ("sft-full", "sft-lora", "grpo")
+# glibc: fixed (non-adaptive) thresholds; allocations >= 128 KiB are mmapped and unmapped when freed.
+RELEASE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=131072"}
+ALLOCATORS = ("default", "release")
+OVERHEAD_PROBE = (
+    "import torch, posttrain.trainers.sft, posttrain.trainers.rl\n"
+    "from posttrain.models.hub import load_tokenizer, resolve_model_path\n"
+    "load_tokenizer(resolve_model_path({model!r}))\n"
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--sft-steps", type=int, default=3)
+    parser.add_argument("--sft-rows", type=int, default=64, help="GSM8K rows read (a small slice)")
+    parser.add_argument("--grpo-steps", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=0.15)
+    parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS),
+                        help="measure under these allocator settings (see above)")
+    return parser.parse_args()
+
+
+def peak_rss(argv: list[str], log: Path, allocator: str = "default") -> tuple[int, float]:
+    """Run argv to completion; (its peak RSS in bytes, wall seconds). Raises with the log tail on failure."""
+    env = {**os.environ, **(RELEASE_ENV if allocator == "release" else {})}
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        # wait4 gives this child's own rusage; RUSAGE_CHILDREN would be the max over all children so far.
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}:\n{tail}")
+    maxrss = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024  # Linux: KiB
+    return maxrss, time.perf_counter() - start
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- SFT
+
+
+def sft_overrides(args: argparse.Namespace, out: Path, lora: bool) -> list[str]:
+    overrides = [str(ROOT / "examples" / "sft_gsm8k.yaml"), f"data.path={GSM8K}", f"data.max_rows={args.sft_rows}",
+                 "data.eval_fraction=0", f"train.max_steps={args.sft_steps}", "train.progress=false", f"out={out}"]
+    return overrides + (["lora.r=16"] if lora else [])
+
+
+def sft_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, int]]]:
+    """Per step, the trainer's micro-batches as {rows, width, targets, tokens}: the same data, batch_stream
+    and length_groups as `start_sft`, so the same padded shapes."""
+    import torch
+
+    from posttrain.config import parse_cli_config
+    from posttrain.data.collate import length_groups
+    from posttrain.models.hub import load_tokenizer, resolve_model_path
+    from posttrain.trainers.loop import batch_stream
+    from posttrain.trainers.sft import SFTConfig, default_group_cost, load_sft_data
+
+    cfg = parse_cli_config(SFTConfig, overrides)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.name_or_path))
+    units, _, _ = load_sft_data(cfg, tokenizer)
+    stream = batch_stream(units, cfg.train.batch_size, seed=cfg.train.seed)
+    cost = cfg.train.group_cost_tokens
+    cost = default_group_cost(torch.device("cpu")) if cost is None else cost
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(cfg.train.grad_accum):
+            batch = next(stream)
+            for group in length_groups([len(u) for u in batch], cost):
+                rows = [batch[i] for i in group]
+                micro.append({"rows": len(rows), "width": max(len(u) for u in rows),
+                              "targets": sum(u.num_targets for u in rows), "tokens": sum(len(u) for u in rows)})
+        out.append(micro)
+    return out
+
+
+def sft_estimate(arch: Any, steps: list[list[dict[str, int]]], lora: bool, overhead: int) -> dict[str, Any]:
+    """The largest estimate over all micro-batches. A micro-batch after the first of its step runs its
+    backward with the earlier micro-batches' gradients in place (grad_accum > 1 in the estimator)."""
+    from posttrain.estimate import TrainingSetup, estimate_memory
+
+    best: dict[str, Any] = {}
+    for micro in steps:
+        for index, mb in enumerate(micro):
+            prompt = mb["width"] - math.ceil(mb["targets"] / mb["rows"])
+            setup = TrainingSetup(method="lora" if lora else "full", batch=mb["rows"], seq_len=mb["width"],
+                                  prompt_len=prompt, grad_accum=1 if index == 0 else 2, overhead_bytes=overhead)
+            est = estimate_memory(arch, setup)
+            if est.total_bytes > best.get("total_bytes", -1):
+                best = {**est.as_dict(), "shape": {**mb, "prompt_len": prompt, "index_in_step": index}, "setup": setup}
+    return best
+
+
+def run_sft(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp: Path, lora: bool) -> dict[str, Any]:
+    from posttrain.estimate import estimate_time
+
+    name = "sft-lora" if lora else "sft-full"
+    measured, logged, step_time = {}, {}, {}
+    for allocator in args.allocators:
+        out = tmp / f"{name}-{allocator}"
+        overrides = sft_overrides(args, out, lora)
+        measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "sft", *overrides],
+                                          tmp / f"{out.name}.log", allocator)
+        metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "step_time" in r]
+        logged[allocator] = [int(r["tokens"]) for r in metrics]
+        step_time[allocator] = round(metrics[-1]["step_time"], 2)
+    steps = sft_micro_batches(overrides, args.sft_steps)
+    replayed = [sum(mb["tokens"] for mb in micro) for micro in steps]
+    est = sft_estimate(arch, steps, lora, overheads[args.allocators[-1]])
+    # Time: every micro-batch of the last step (the first steps include warm-up), at the CPU default.
+    setups = [dataclasses.replace(est["setup"], batch=mb["rows"], seq_len=mb["width"], grad_accum=1,
+                                  prompt_len=mb["width"] - math.ceil(mb["targets"] / mb["rows"])) for mb in steps[-1]]
+    seconds = sum(estimate_time(arch, s, 0, 0.06, 20.0).step_seconds for s in setups)
+    return _case(name, est, measured, overheads, args.tolerance,
+                 {"replay_matches_logged_tokens": all(replayed == t for t in logged.values()), "tokens_per_step": replayed,
+                  "step_seconds_estimate": round(seconds, 2), "step_seconds_measured": step_time})
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+
+def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp: Path) -> dict[str, Any]:
+    from posttrain.estimate import TrainingSetup, estimate_memory, estimate_time
+    from posttrain.trainers.rl_config import GRPOConfig
+
+    measured, records_by = {}, {}
+    for allocator in args.allocators:
+        out = tmp / f"grpo-{allocator}"
+        overrides = [f"train.max_steps={args.grpo_steps}", "data.eval_size=0", "log.progress=false",
+                     "save_final=false", f"out={out}"]
+        if allocator == "release":  # else the engine's mallopt would override the tunables
+            overrides.append("rollout.engine.tune_cpu_allocator=false")
+        measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "grpo", *overrides],
+                                          tmp / f"{out.name}.log", allocator)
+        records_by[allocator] = [r for r in read_jsonl(out / "metrics.jsonl") if "num_samples" in r]
+    cfg = GRPOConfig()
+    group = cfg.rollout.samples_per_prompt
+    # The engine's KV pool with data.eval_size=0: max_num_seqs = the rollout batch, each sequence
+    # max_prompt_tokens + max_tokens long, in whole 16-token blocks (posttrain.trainers.rl._engine_config).
+    seqs = cfg.rollout.prompts_per_step * group
+    kv_tokens = seqs * math.ceil((cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens) / 16) * 16
+    best: dict[str, Any] = {}
+    # The runs sample with the same seed, but their shapes are read from each run's own log.
+    records = [r for allocator in args.allocators for r in records_by[allocator]]
+    overhead = overheads[args.allocators[-1]]
+    for record in records:
+        samples = int(record["num_samples"])
+        completion = round(record["response_len/mean"])
+        trained = round(record["tokens/train_per_s"] * record["time/update_s"])  # real tokens through the model
+        rows = math.ceil(samples / group)
+        prompt = round(trained / rows - group * (completion - 1))
+        setup = TrainingSetup(trainer="grpo", batch=samples, group_size=group, seq_len=prompt + completion,
+                              prompt_len=prompt, kv_tokens=kv_tokens, overhead_bytes=overhead)
+        est = estimate_memory(arch, setup)
+        if est.total_bytes > best.get("total_bytes", -1):
+            seconds = estimate_time(arch, setup, est.weights_bytes, 0.06, 20.0)
+            best = {**est.as_dict(), "setup": setup,
+                    "shape": {"samples": samples, "completion_len": completion, "prompt_len": prompt,
+                              "trained_tokens": trained, "kv_tokens": kv_tokens},
+                    "time": {"update_seconds_estimate": round(seconds.train_seconds, 2),
+                             "update_seconds_measured": round(record["time/update_s"], 2)}}
+    return _case("grpo", best, measured, overheads, args.tolerance, best.pop("time"))
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _case(name: str, est: dict[str, Any], measured: dict[str, int], overheads: dict[str, int], tolerance: float,
+          extra: dict[str, Any]) -> dict[str, Any]:
+    """Estimate vs measured per allocator setting; the estimate's overhead term is each setting's own."""
+    est = dict(est)
+    est.pop("setup", None)
+    base = est["total_bytes"] - est["runtime_overhead_bytes"]
+    per_allocator = {}
+    for allocator, rss in measured.items():
+        estimate = base + overheads[allocator]
+        ratio = estimate / rss
+        per_allocator[allocator] = {"estimate_mib": round(estimate / 2**20), "measured_mib": round(rss / 2**20),
+                                    "estimate_bytes": estimate, "measured_peak_rss_bytes": rss,
+                                    "ratio": round(ratio, 3), "within_tolerance": abs(ratio - 1) <= tolerance}
+    keep = ("weights", "grads", "optimizer", "activations", "activations_checkpointed", "logits", "kv_cache",
+            "reference", "runtime_overhead")
+    return {"case": name, **per_allocator, "components_mib": {k: round(est[f"{k}_bytes"] / 2**20, 1) for k in keep},
+            "peak_rule": est["peak_rule"], "shape": est["shape"], **extra}
+
+
+def main() -> int:
+    args = parse_args()
+    from posttrain.estimate import Architecture
+
+    arch = Architecture.from_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="posttrain-estimate-") as tmp_name:
+        tmp = Path(tmp_name)
+        probe = OVERHEAD_PROBE.format(model=args.model)
+        overheads = {a: peak_rss([sys.executable, "-c", probe], tmp / f"overhead-{a}.log", a)[0] for a in args.allocators}
+        results = []
+        for case in args.cases:
+            if case == "grpo":
+                results.append(run_grpo(args, arch, overheads, tmp))
+            else:
+                results.append(run_sft(args, arch, overheads, tmp, lora=case == "sft-lora"))
+            print(json.dumps(results[-1]), file=sys.stderr)
+    summary = {"benchmark": "estimate", "model": args.model, "tolerance": args.tolerance,
+               "runtime_overhead_mib": {a: round(v / 2**20) for a, v in overheads.items()},
+               "threads": os.environ.get("OMP_NUM_THREADS"),
+               "within_tolerance": {a: all(r[a]["within_tolerance"] for r in results) for a in args.allocators},
+               "cases": results}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""KTO on unpaired rows (prompt, completion, label): the run `train_dpo` drives for `loss: kto` on such a file.
+
+A micro-batch is one fixed batch of B rows (`unpaired_data.fixed_batches`), desirable and undesirable
+in any mix: one forward of the policy over the B rows (with gradients), one no-grad forward over the
+batch's B KL rows (prompt k + completion k-1), and the reference log-probs of both, precomputed
+before the first step or computed live (with LoRA: the policy with its adapters off). The loss is
+`kto_loss` on that batch: z0 = max(0, mean KL-row log pi/pi_ref), then per row
+desirable_weight (1 - sigmoid(beta (r - z0))) or undesirable_weight (1 - sigmoid(beta (z0 - r))),
+averaged over the batch: TRL's KTOTrainer with one device. With grad_accum each micro-batch is
+weighted by its rows, so the step's gradient is that of the mean over all its rows.
+
+Metrics (TRL's names): loss, kl (z0, row-weighted over micro-batches), rewards/chosen and
+rewards/rejected (mean beta log pi/pi_ref of the step's desirable / undesirable rows; left out when
+the step has none), rewards/margins, logps/chosen, logps/rejected, and the counts desirable and
+undesirable. Held-out: the same over the fixed held-out batches, prefixed eval_.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+
+from posttrain.algos.preference import kto_loss
+from posttrain.data.collate import collate
+from posttrain.models.transformer import Transformer
+from posttrain.peft import disable_adapters
+from posttrain.trainers.accumulate import accumulate_gradients
+from posttrain.trainers.adapters import has_adapters
+from posttrain.trainers.dpo import frozen_logps, sequence_logps
+from posttrain.trainers.loop import BatchStream, batch_stream
+from posttrain.trainers.unpaired_data import KTOSplit, UnpairedData, check_weights
+
+if TYPE_CHECKING:
+    from posttrain.trainers.dpo import DPOConfig
+
+
+class UnpairedReference:
+    """Reference logps of every row and every KL row of each split, by row index: a precomputed table,
+    or a frozen model (a copy, or with LoRA the policy with its adapters off) asked per batch."""
+
+    def __init__(self, mode: str, policy: Transformer, splits: dict[str, KTOSplit], batch_size: int, pad_id: int) -> None:
+        self.splits, self.pad_id = splits, pad_id
+        self.base_of_policy = has_adapters(policy)
+        self.model: Transformer | None = None
+        self.table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (rows (n,), KL rows (n,))
+        if mode == "live":
+            self.model = policy if self.base_of_policy else copy.deepcopy(policy).eval().requires_grad_(False)
+            return
+        with self._weights(policy):
+            for name, split in splits.items():
+                self.table[name] = (frozen_logps(policy, [r.row for r in split.rows], batch_size, pad_id),
+                                    frozen_logps(policy, split.kl, batch_size, pad_id))
+
+    def _weights(self, model: Transformer) -> AbstractContextManager:
+        return disable_adapters(model) if self.base_of_policy else nullcontext()
+
+    def logps(self, split: str, idx: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(reference logps of the rows (B,), of their KL rows (B,)), on `device`."""
+        if self.model is None:
+            rows, kl = self.table[split]
+            index = torch.tensor(list(idx))
+            return rows[index].to(device), kl[index].to(device)
+        data = self.splits[split]
+        with self._weights(self.model):
+            rows = frozen_logps(self.model, [data.rows[i].row for i in idx], len(idx), self.pad_id)
+            kl = frozen_logps(self.model, [data.kl[i] for i in idx], len(idx), self.pad_id)
+        return rows.to(device), kl.to(device)
+
+
+class KTORun:
+    """The pieces of a KTO run on unpaired rows; `step` and `evaluate` are what the loop calls."""
+
+    def __init__(self, cfg: DPOConfig, model: Transformer, data: UnpairedData, pad_id: int) -> None:
+        self.cfg, self.model, self.pad_id = cfg, model, pad_id
+        self.splits = {"train": data.train, **({"eval": data.eval} if data.eval else {})}
+        self.reference = UnpairedReference(cfg.reference, model, self.splits, cfg.train.batch_size, pad_id)
+        self.beta = cfg.effective_beta()
+        options = cfg.loss_options()
+        check_weights(data.train.rows, options.get("desirable_weight", 1.0), options.get("undesirable_weight", 1.0))
+
+    def batch_stream(self, seed: int) -> BatchStream[int]:
+        """Endless, resumable stream of training micro-batches, each [one fixed batch id]."""
+        return batch_stream(range(len(self.splits["train"].batches)), 1, seed=seed)
+
+    def _forward(self, split: str, idx: Sequence[int], grad: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """(kto loss, mean over the rows `idx`; metric sums over those rows)."""
+        data = self.splits[split]
+        batch = collate([data.rows[i].row for i in idx], self.pad_id).to(self.model.device)
+        with torch.set_grad_enabled(grad):
+            policy, _ = sequence_logps(self.model, batch)  # (B,)
+        policy_kl = frozen_logps(self.model, [data.kl[i] for i in idx], len(idx), self.pad_id).to(policy.device)  # (B,)
+        ref, ref_kl = self.reference.logps(split, idx, policy.device)  # (B,), (B,)
+        desirable = torch.tensor([data.rows[i].desirable for i in idx], device=policy.device)  # (B,) bool
+        loss, metrics = kto_loss(policy, ref, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl,
+                                 **self.cfg.loss_options())
+        rewards = self.beta * (policy.detach() - ref)  # (B,)
+        sums = {"kl": float(metrics["kl"]) * len(idx), "rows": float(len(idx)),
+                "tokens": float(sum(len(data.rows[i].row) + len(data.kl[i]) for i in idx))}
+        for side, rows in (("chosen", desirable), ("rejected", ~desirable)):
+            sums[f"count/{side}"] = float(rows.sum())
+            sums[f"rewards/{side}"] = float(rewards[rows].sum())
+            sums[f"logps/{side}"] = float(policy.detach()[rows].sum())
+        return loss, sums
+
+    def step(self, micro_batches: list[list[int]]) -> dict[str, float]:
+        """One optimizer step's gradients; each micro-batch is a list of fixed batch ids (one, from the stream)."""
+        rows = [[i for b in micro for i in self.splits["train"].batches[b]] for micro in micro_batches]
+
+        def loss_sum(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, sums = self._forward("train", idx, grad=True)
+            return loss * len(idx), sums
+
+        out = accumulate_gradients(rows, loss_sum, sum(map(len, rows)))
+        return {"loss": out["loss"], **_means(out), "tokens": out["tokens"]}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        totals: dict[str, float] = {"loss": 0.0}
+        for idx in self.splits["eval"].batches:
+            loss, sums = self._forward("eval", idx, grad=False)
+            totals["loss"] += float(loss) * len(idx)
+            for key, value in sums.items():
+                totals[key] = totals.get(key, 0.0) + value
+        self.model.train(was_training)
+        out = {"loss": totals["loss"] / totals["rows"], **_means(totals)}
+        return {"eval_" + k.replace("/", "_"): v for k, v in out.items()}
+
+
+def _means(sums: dict[str, float]) -> dict[str, float]:
+    """Per-class means (TRL: a class absent from the step is left out), the row-weighted kl and the counts."""
+    out = {"kl": sums["kl"] / sums["rows"], "desirable": sums["count/chosen"], "undesirable": sums["count/rejected"],
+           "rows": sums["rows"]}
+    for side in ("chosen", "rejected"):
+        if sums[f"count/{side}"] > 0:
+            for key in ("rewards", "logps"):
+                out[f"{key}/{side}"] = sums[f"{key}/{side}"] / sums[f"count/{side}"]
+    if "rewards/chosen" in out and "rewards/rejected" in out:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out

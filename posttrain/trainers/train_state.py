@@ -1,0 +1,195 @@
+"""A checkpoint that a run continues from bit-exactly, written atomically; used by every trainer.
+
+    checkpoints/step-N/
+      <the model>                 what `adapters.save_trained` writes: an HF directory, or the PEFT
+                                  adapter with LoRA / QLoRA (the frozen base is rebuilt from the config)
+      optimizer.safetensors       the optimizer's tensors (AdamW moments and step counts)
+      rng_state.safetensors       torch's generator states (CPU, every CUDA device)
+      modules.safetensors         modules trained beside the model (a reward or value head), if any
+      trainer_state.json          step, optimizer skeleton, schedule, python / numpy RNG, and the trainer's
+                                  own counters: data position, bad-step counts, RL policy version, ...
+      COMMITTED                   written last, after everything above is fsync'd
+
+Only safetensors and JSON are read back, so resuming never unpickles anything. The write goes to a hidden
+`.step-N.partial` directory that is renamed into place before the marker; rotation runs after the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from posttrain.errors import CheckpointError
+from posttrain.models.checkpoint_io import hf_to_ours, read_safetensors
+from posttrain.peft import active_adapter, load_lora_state_dict
+from posttrain.peft.peft_format import KEY_PREFIX, LORA_SUFFIXES, read_adapter_tensors
+from posttrain.trainers.adapters import has_adapters, save_trained
+from posttrain.trainers.checkpoint import checkpoint_dir, commit, fsync_dir, fsync_tree, partial_dir, prune_checkpoints
+from posttrain.trainers.optim_state import load_optimizer_plain, optimizer_to_plain, scheduler_to_plain
+from posttrain.trainers.rng_state import capture_rng, restore_rng
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng_state.safetensors"
+MODULES_FILE = "modules.safetensors"
+FORMAT_VERSION = 1
+
+
+class Stateful(Protocol):
+    """Anything whose state is plain JSON: a data stream, a prompt source, a counter."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Checkpointer:
+    """Everything a trainer's step reads that changes as it trains, and how to save and restore it.
+
+    Build it after the optimizer, the schedule and the data streams exist (and after any reference model
+    was copied from the initial weights), then `restore` a checkpoint before the first step and call
+    `save(step)` every save_every steps.
+    """
+
+    command: str  # sft, dpo, ...: a checkpoint resumes only the command that wrote it
+    run_dir: Path
+    model: nn.Module
+    tokenizer: Any
+    base_model: str  # recorded in a LoRA adapter's config
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    modules: dict[str, nn.Module] = field(default_factory=dict)  # trained beside the model
+    state: dict[str, Stateful] = field(default_factory=dict)
+    keep_last: int | None = None
+    write_extras: Callable[[Path], object] | None = None  # user-facing files (score.safetensors) into the dir
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint `step`, commit it, then prune old ones. Returns its directory."""
+        tmp = partial_dir(self.run_dir, step)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash in an earlier save of this step
+        save_trained(self.model, self.tokenizer, tmp, base_model=self.base_model)
+        optimizer_plain, optimizer_tensors = optimizer_to_plain(self.optimizer)
+        save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
+        rng_plain, rng_tensors = capture_rng()
+        save_file(rng_tensors, str(tmp / RNG_FILE))
+        if self.modules:
+            tensors = {f"{name}.{key}": value.detach().to("cpu").contiguous()
+                       for name, module in self.modules.items() for key, value in module.state_dict().items()}
+            save_file(tensors, str(tmp / MODULES_FILE))
+        if self.write_extras is not None:
+            self.write_extras(tmp)
+        record = {
+            "format": FORMAT_VERSION, "command": self.command, "step": step,
+            "optimizer": optimizer_plain,
+            "scheduler": scheduler_to_plain(self.scheduler) if self.scheduler is not None else None,
+            "rng": rng_plain,
+            "state": {name: obj.state_dict() for name, obj in self.state.items()},
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        fsync_tree(tmp)
+        final = checkpoint_dir(self.run_dir, step)
+        if final.exists():
+            shutil.rmtree(final)  # a torn step-N, or one of a timeline abandoned by resuming from an older step
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        commit(final, json.dumps({"step": step}) + "\n")
+        prune_checkpoints(self.run_dir, self.keep_last)
+        return final
+
+    def restore(self, path: str | Path) -> int:
+        """Load checkpoint `path` into the live objects; returns its step (the number of finished steps).
+        The RNG states go last, so nothing done while restoring draws from them."""
+        path = Path(path)
+        record = read_trainer_state(path)
+        if record.get("command") != self.command:
+            raise CheckpointError(f"{path}: written by `posttrain {record.get('command')}`, cannot resume "
+                                  f"`posttrain {self.command}`")
+        load_trained_weights(self.model, path)
+        if self.modules:
+            tensors = _read_tensors(path / MODULES_FILE)
+            for name, module in self.modules.items():
+                own = {key[len(name) + 1:]: value for key, value in tensors.items() if key.startswith(name + ".")}
+                try:
+                    module.load_state_dict(own)
+                except RuntimeError as error:
+                    raise CheckpointError(f"{path / MODULES_FILE}: module {name!r}: {error}") from None
+        load_optimizer_plain(self.optimizer, record["optimizer"], _read_tensors(path / OPTIMIZER_FILE),
+                             str(path / OPTIMIZER_FILE))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(record["scheduler"])
+        saved = record.get("state", {})
+        for name, obj in self.state.items():
+            if name not in saved:
+                raise CheckpointError(f"{path / STATE_FILE}: no state for {name!r}")
+            obj.load_state_dict(saved[name])
+        restore_rng(record["rng"], _read_tensors(path / RNG_FILE), str(path / RNG_FILE))
+        return int(record["step"])
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / STATE_FILE
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {STATE_FILE} (a model-only checkpoint cannot be resumed)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: not a trainer state of format {FORMAT_VERSION}")
+    return record
+
+
+def load_trained_weights(model: nn.Module, path: str | Path) -> None:
+    """Copy what `save_trained` wrote at `path` back into the live, prepared `model` (same Parameters, so
+    the optimizer keeps pointing at them): the adapters with LoRA, else every weight. Every trainable
+    parameter must be covered, so a checkpoint of another setup fails here instead of training on."""
+    path = Path(path)
+    if has_adapters(model):
+        adapter = active_adapter(model)
+        state = {}
+        for key, tensor in read_adapter_tensors(path).items():
+            suffix = next((s for s in LORA_SUFFIXES if key.endswith(s)), None)
+            ours = hf_to_ours(key[len(KEY_PREFIX):-len(suffix)] + ".weight") if key.startswith(KEY_PREFIX) and suffix else None
+            if ours is None:
+                raise CheckpointError(f"{path}: unexpected adapter tensor {key!r}")
+            state[f"{ours.removesuffix('.weight')}{suffix.removesuffix('.weight')}.{adapter}.weight"] = tensor
+        load_lora_state_dict(model, state, source=str(path))
+        loaded = set(state)
+    else:
+        state = {}
+        for key, tensor in read_safetensors(path).items():
+            ours = hf_to_ours(key)
+            if ours is None:
+                raise CheckpointError(f"{path}: unexpected tensor {key!r}")
+            state[ours] = tensor
+        result = model.load_state_dict(state, strict=False)
+        tied = model.lm_head.weight is model.embed_tokens.weight if hasattr(model, "lm_head") else False
+        missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+        if result.unexpected_keys or missing:
+            raise CheckpointError(f"{path}: the saved weights do not fit this model (missing {missing[:3]}, "
+                                  f"unexpected {result.unexpected_keys[:3]})")
+        loaded = set(state) | ({"lm_head.weight"} if tied else set())
+    untouched = [name for name, p in model.named_parameters() if p.requires_grad and name not in loaded]
+    if untouched:
+        raise CheckpointError(f"{path}: holds no value for trainable parameter {untouched[0]!r}")
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(f"{file}: cannot read safetensors (truncated or corrupt: {error})") from None
