@@ -69,8 +69,12 @@ class MetricsLogger:
         self.close()
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a `metrics.jsonl` (or of the one in a run directory), in file order."""
+def read_metrics(path: str | Path, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """All records of a `metrics.jsonl` (or of the one in a run directory), in file order.
+
+    Strict: a malformed line, a record that is not an object or has no integer `step` is an error naming
+    the file and line. The one exception is a last line without its newline (a run still writing, or the
+    write a crash cut): skipped, and said in `notes` when the caller passes a list."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
@@ -78,6 +82,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise PosttrainError(f"{path}: metrics file not found") from None
+    except UnicodeDecodeError as e:
+        raise PosttrainError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     lines = text.split("\n")
     records = []
     for number, line in enumerate(lines, start=1):
@@ -86,9 +92,16 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if number == len(lines):  # no newline after it: the write a crash interrupted
+            if number == len(lines):  # no newline after it: still being written, or cut by a crash
+                if notes is not None:
+                    notes.append(f"{path.name}:{number}: incomplete last line skipped (run still writing?)")
                 break
-            raise PosttrainError(f"{path}:{number}: not a JSON record: {e.msg}") from None
+            raise PosttrainError(f"{path}:{number}: not a JSON record: {e.msg} (column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise PosttrainError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise PosttrainError(f"{path}:{number}: 'step' must be an integer, got {step!r}")
         records.append({key: _from_json_value(value) for key, value in record.items()})
     return records
 

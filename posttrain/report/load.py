@@ -4,18 +4,15 @@ per-step sample files (eval-stepNNNNN.jsonl from the RL trainer), everything but
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import PosttrainError
-from posttrain.metrics import METRICS_FILE
+from posttrain.metrics import METRICS_FILE, read_metrics
 from posttrain.run_dir import CONFIG_FILE
 
-# MetricsLogger writes non-finite floats as these strings (strict JSON has no NaN).
-NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 # eval-step00020.jsonl: the RL trainer's held-out completions at step 20; samples-step*.jsonl likewise.
 SAMPLE_FILE = re.compile(r"^(?:eval|samples)-step(\d+)\.jsonl$")
 SUMMARY_FILES = ("summary.json", "data_report.json")
@@ -34,34 +31,6 @@ class RunData:
     @property
     def name(self) -> str:
         return self.run_dir.resolve().name
-
-
-def read_metrics_strict(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Records of a metrics.jsonl; a malformed line is an error naming the file and line. The one
-    exception is a last line without its newline (a run being written or cut by a crash): skipped, noted."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise PosttrainError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    lines = text.split("\n")
-    records, notes = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):  # no newline after it: still being written
-                notes.append(f"{path.name}:{number}: incomplete last line skipped (run still writing?)")
-                break
-            raise PosttrainError(f"{path}:{number}: not a JSON record: {e.msg} (column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise PosttrainError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-        step = record.get("step")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise PosttrainError(f"{path}:{number}: 'step' must be an integer, got {step!r}")
-        records.append({k: NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()})
-    return records, notes
 
 
 def _read_samples(path: Path, notes: list[str]) -> list[dict[str, Any]]:
@@ -93,7 +62,8 @@ def load_run(run_dir: str | Path) -> RunData:
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         raise PosttrainError(f"{run_dir}: no {METRICS_FILE} (not a run directory, or the run has not logged yet)")
-    records, notes = read_metrics_strict(metrics)
+    notes: list[str] = []
+    records = read_metrics(metrics, notes)
     data = RunData(run_dir, records, notes=notes)
     config = run_dir / CONFIG_FILE
     if config.is_file():
