@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from posttrain.commands.common import add_config_arguments
 from posttrain.config import parse_cli_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("argv", nargs=argparse.REMAINDER,
-                        help="an optional YAML config, then overrides such as ppo.lam=0.95 optim.lr=1e-5")
+    add_config_arguments(parser, "ppo.lam=0.95 optim.lr=1e-5")
 
 
 def run(args: argparse.Namespace) -> int:
