@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,10 +172,7 @@ def save_hf_dir(
     Written into a temporary sibling and renamed into place, so a crash never leaves a half-written
     checkpoint at `out`. An existing `out` is replaced only after the new one is complete.
     """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         tensors = hf_state_dict(model, dtype)
         saved_dtype = dtype or model.dtype
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -184,6 +182,18 @@ def save_hf_dir(
             tokenizer.save(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+
+    return write_dir_atomically(Path(out), fill)
+
+
+def write_dir_atomically(out: Path, fill: Callable[[Path], None]) -> Path:
+    """`fill(tmp)` writes a directory's files into a temporary sibling of `out`, which is then renamed into
+    place: a crash never leaves a half-written directory at `out`, and an existing `out` is replaced only
+    once the new one is complete. Returns `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)

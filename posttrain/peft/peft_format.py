@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from posttrain.errors import CheckpointError, PosttrainError
-from posttrain.models.checkpoint_io import hf_to_ours
+from posttrain.models.checkpoint_io import hf_to_ours, write_dir_atomically
 from posttrain.peft.lora import (
     DEFAULT_ADAPTER,
     matches_spec,
@@ -343,21 +340,10 @@ def _number(x: float) -> int | float:
 
 
 def _write_atomically(out: Path, writers: dict[str, Any]) -> Path:
-    """Write files into a temporary sibling directory, then rename it into place (replacing `out` only once
-    the new directory is complete)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    """Each writer writes its file into the new directory, which replaces `out` only once complete."""
+
+    def fill(tmp: Path) -> None:
         for filename, write in writers.items():
             write(tmp / filename)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return write_dir_atomically(out, fill)
