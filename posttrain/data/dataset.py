@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +30,18 @@ class LoadedExamples:
     examples: list[tuple[str, Example]]  # (location, example) of the good rows
     rows_read: int
     bad: BadRowLog = field(default_factory=BadRowLog)
+
+    def convert_all(self, convert: Callable[[Example], T], max_bad_fraction: float) -> list[T]:
+        """`convert` (e.g. tokenize) every example; a RowError logs the row as bad and skips it; DataError
+        when the bad rows (read and converted together) exceed `max_bad_fraction` of the rows read."""
+        out = []
+        for where, example in self.examples:
+            try:
+                out.append(convert(example))
+            except RowError as e:
+                self.bad.add(where, str(e))
+        self.bad.check_fraction(self.source, self.rows_read, max_bad_fraction)
+        return out
 
 
 def rename_columns(row: Mapping[str, Any], columns: Mapping[str, str]) -> dict[str, Any]:
@@ -125,16 +137,15 @@ def build_sft_rows(
 ) -> SFTRows:
     """Read, check and tokenize a dataset for SFT; raise DataError above cfg.max_bad_row_fraction."""
     loaded = read_examples(cfg, path)
-    rows = []
-    for where, example in loaded.examples:
-        try:
-            row = tokenize_sft(tokenizer, example, completion_only=completion_only)
-            rows.append(fit_to_length(row, cfg.max_length, cfg.overlong))
-        except RowError as e:
-            loaded.bad.add(where, str(e))
-        except TypeError as e:  # a format SFT cannot train on: every row would fail, so stop now
-            raise DataError(f"{loaded.source}: {loaded.format} rows cannot be used for SFT: {e}") from None
-    loaded.bad.check_fraction(loaded.source, loaded.rows_read, cfg.max_bad_row_fraction)
+
+    def convert(example: Example) -> TokenizedRow:
+        row = tokenize_sft(tokenizer, example, completion_only=completion_only)
+        return fit_to_length(row, cfg.max_length, cfg.overlong)
+
+    try:
+        rows = loaded.convert_all(convert, cfg.max_bad_row_fraction)
+    except TypeError as e:  # a format SFT cannot train on: every row would fail, so stop at the first
+        raise DataError(f"{loaded.source}: {loaded.format} rows cannot be used for SFT: {e}") from None
     return SFTRows(rows, loaded.format, loaded.rows_read, loaded.bad.rows)
 
 

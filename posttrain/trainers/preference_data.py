@@ -19,7 +19,7 @@ from posttrain.data.config import DataConfig
 from posttrain.data.dataset import read_examples, split_holdout
 from posttrain.data.formats import Preference, PromptCompletion
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow, fit_to_length, tokenize_prompt_completion
-from posttrain.data.validate import DataError, RowError
+from posttrain.data.validate import DataError
 
 PAIR_FORMATS = ("preference", "implicit_preference", "hh_rlhf")
 
@@ -61,13 +61,7 @@ def _read_pairs(cfg: DataConfig, tokenizer: Any, tokenize: TokenizePair, path: s
     if loaded.format not in PAIR_FORMATS:
         raise DataError(f"{loaded.source}: rows are {loaded.format!r}, but this trainer needs preference pairs "
                         f"(one of {', '.join(PAIR_FORMATS)}: fields prompt/chosen/rejected, or chosen/rejected)")
-    pairs = []
-    for where, example in loaded.examples:
-        try:
-            pairs.append(tokenize(tokenizer, example, cfg))  # type: ignore[arg-type]
-        except RowError as e:
-            loaded.bad.add(where, str(e))
-    loaded.bad.check_fraction(loaded.source, loaded.rows_read, cfg.max_bad_row_fraction)
+    pairs = loaded.convert_all(lambda example: tokenize(tokenizer, example, cfg), cfg.max_bad_row_fraction)  # type: ignore[arg-type]
     report = {"path": str(path), "format": loaded.format, "rows_read": loaded.rows_read, "pairs_kept": len(pairs),
               "bad_rows": [vars(b) for b in loaded.bad.rows]}
     return pairs, report

@@ -23,7 +23,7 @@ from posttrain.data.config import DataConfig
 from posttrain.data.dataset import peek_format, read_examples, split_holdout
 from posttrain.data.formats import PromptCompletion, UnpairedPreference
 from posttrain.data.tokenize import TokenizedRow, fit_to_length, tokenize_prompt_completion
-from posttrain.data.validate import DataError, RowError
+from posttrain.data.validate import DataError
 from posttrain.errors import ConfigError
 from posttrain.trainers.preference_data import splice_rows
 
@@ -103,13 +103,8 @@ def _read_unpaired(cfg: DataConfig, tokenizer: Any, path: str | Path) -> tuple[l
     if loaded.format != UNPAIRED_FORMAT:
         raise DataError(f"{loaded.source}: rows are {loaded.format!r}, but the training file holds unpaired rows "
                         f"(prompt/completion/label); give held-out data in the same format")
-    rows = []
-    for where, example in loaded.examples:
-        try:
-            rows.append(tokenize_unpaired(tokenizer, example, cfg))  # type: ignore[arg-type]
-        except RowError as e:
-            loaded.bad.add(where, str(e))
-    loaded.bad.check_fraction(loaded.source, loaded.rows_read, cfg.max_bad_row_fraction)
+    rows = loaded.convert_all(lambda example: tokenize_unpaired(tokenizer, example, cfg),  # type: ignore[arg-type]
+                              cfg.max_bad_row_fraction)
     desirable = sum(r.desirable for r in rows)
     report = {"path": str(path), "format": loaded.format, "rows_read": loaded.rows_read, "rows_kept": len(rows),
               "desirable": desirable, "undesirable": len(rows) - desirable, "bad_rows": [vars(b) for b in loaded.bad.rows]}
