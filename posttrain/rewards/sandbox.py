@@ -24,6 +24,7 @@ with threads, and rewards run in a thread pool inside a multi-threaded trainer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -127,7 +128,8 @@ def run_sandboxed(
     try:
         if uid is not None:  # where no mount namespace covers it with a tmpfs, the program writes here
             os.chown(scratch, uid, uid)
-        code_fd = _memfd(json.dumps({"code": code, "check": check, "nonce": nonce}).encode("utf-8"))
+        payload = {"code": code, "check": check, "nonce": nonce, "host_names": _host_names()}
+        code_fd = _memfd(json.dumps(payload).encode("utf-8"))
         supervisor_r, supervisor_w = os.pipe()
         runner_r, runner_w = os.pipe()
         fds += [code_fd, supervisor_r, supervisor_w, runner_r, runner_w]
@@ -176,6 +178,28 @@ def _scrubbed_env(scratch: str) -> dict[str, str]:
     # address-space limit of a program with a few threads without it using any memory.
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
             "HOME": scratch, "TMPDIR": scratch, "MALLOC_ARENA_MAX": "2"}
+
+
+# Host variables the standard library itself looks up (tempfile, getpass, shutil.get_terminal_size,
+# locale, ...): a program asking for them is not after a secret, so they are not reported.
+_HARMLESS_HOST_NAMES = frozenset({
+    "USER", "LOGNAME", "USERNAME", "LNAME", "HOME", "SHELL", "PWD", "OLDPWD", "TERM", "COLUMNS", "LINES",
+    "TMPDIR", "TEMP", "TMP", "TZ", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "PATH",
+    "NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM", "HOSTNAME", "DISPLAY",
+})
+
+
+def _host_names() -> dict:
+    """Salted hashes of the host's environment variable names, for the guard's lookup report: the child
+    learns which names are the host's without the names (or any value) reaching the program."""
+    salt = secrets.token_hex(16)
+    names = (name for name in os.environ if name not in _HARMLESS_HOST_NAMES and not name.startswith("LC_"))
+    return {"salt": salt, "hashes": sorted(_name_hash(salt, name) for name in names)}
+
+
+def _name_hash(salt: str, name: str) -> str:
+    # the child computes the same (sandbox_child._watch_environment); it has no imports of ours
+    return hashlib.sha256((salt + name).encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def _run_uid() -> int:

@@ -322,13 +322,15 @@ def run(cfg: dict) -> None:
     channel = Channel(cfg["runner_fd"])
     with os.fdopen(cfg["code_fd"], "rb") as f:  # closing it leaves the code (and nonce) in memory only
         payload = json.loads(f.read().decode("utf-8"))
-    nonce, check = payload["nonce"], payload["check"]
+    nonce, check, host_names = payload["nonce"], payload["check"], payload["host_names"]
     # Python ignores SIGXFSZ at startup (a too-big write then raises OSError the program may swallow);
     # the default action makes "file too large" a visible end of the run.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     _guard_process_limit(channel)
     if cfg["guard"]:
         _install_guard(channel)
+        _watch_environment(channel, host_names)
+    del host_names
     import linecache
     import traceback
     import types
@@ -402,6 +404,50 @@ def _install_guard(channel: Channel) -> None:
                 return
         channel.send("violation", kind, event)
         raise PermissionError(f"sandbox: {event} is not allowed")
+
+    sys.addaudithook(hook)
+
+
+def _watch_environment(channel: Channel, host_names: dict) -> None:
+    """Report a program that looks up one of the host's environment variables (os.environ[...],
+    os.getenv, `in os.environ`, os.path.expandvars; str or bytes): it is after the host's secrets, so
+    the run becomes unscorable; the lookup answers as for an unset variable (the value was never passed
+    on). `host_names` holds a salt and salted hashes of the host's variable names (never the names),
+    minus the harmless ones the standard library itself reads (sandbox._HARMLESS_HOST_NAMES). Opening
+    another process's /proc/<pid>/environ is reported too. Listing the (scrubbed) environment stays allowed."""
+    import hashlib
+    import re
+
+    salt, probes = host_names["salt"], set(host_names["hashes"])
+
+    def is_host_name(key) -> bool:
+        name = os.fsdecode(key) if isinstance(key, (str, bytes)) else ""
+        return hashlib.sha256((salt + name).encode("utf-8", "surrogateescape")).hexdigest()[:32] in probes
+
+    def watched(mapping) -> None:
+        class WatchedEnviron(type(mapping)):
+            def __getitem__(self, key):
+                try:
+                    return super().__getitem__(key)
+                except KeyError:
+                    if is_host_name(key):
+                        channel.send("violation", "environment", "host variable lookup")
+                    raise
+
+        mapping.__class__ = WatchedEnviron
+
+    watched(os.environ)
+    watched(os.environb)
+    own = {str(os.getpid()), "self", "thread-self"}
+    environ_path = re.compile(r"^/proc/([^/]+)/(?:task/[^/]+/)?environ$")
+
+    def hook(event, args):
+        if event == "open" and args and isinstance(args[0], (str, bytes)):
+            path = os.fsdecode(args[0])
+            match = environ_path.match(os.path.normpath(path))
+            if match and match.group(1) not in own:
+                channel.send("violation", "environment", "open /proc/<pid>/environ")
+                raise PermissionError(f"sandbox: reading {path} is not allowed")
 
     sys.addaudithook(hook)
 

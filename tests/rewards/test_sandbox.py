@@ -197,20 +197,50 @@ def test_host_secrets_are_not_visible(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_SECRET", "x")
     program = """
 import os
-print(os.environ.get("POSTTRAIN_SECRET"))
+print(sorted(os.environ))
 found = []
 for pid in os.listdir("/proc"):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            found.append(b"POSTTRAIN_SECRET" in f.read())
-    except OSError:
-        pass
+    if pid.isdigit() and int(pid) != os.getpid():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                found.append(b"POSTTRAIN_SECRET" in f.read())
+        except OSError:
+            pass
 print(any(found))
 """
     result = run_sandboxed(program, **TIGHT)
-    assert result.status == "ok" and result.stdout.split() == ["None", "False"]
-    leak = "import os\nprint(os.environ['POSTTRAIN_SECRET'])"
-    assert reward()(prompts=["p"], completions=[leak], tests=[[{"input": "", "output": "x"}]]) == [0.0]
+    assert result.status in ("ok", "violation") and result.stdout.split("\n")[1] == "False"
+    assert "POSTTRAIN_SECRET" not in result.stdout
+
+
+@pytest.mark.parametrize("probe", [
+    "os.environ['POSTTRAIN_SECRET']", "os.getenv('POSTTRAIN_SECRET')", "'POSTTRAIN_SECRET' in os.environ",
+    "os.environb.get(b'POSTTRAIN_SECRET')", "os.path.expandvars('$POSTTRAIN_SECRET')",
+])
+def test_looking_up_a_host_secret_is_unscorable(monkeypatch, probe):
+    monkeypatch.setenv("POSTTRAIN_SECRET", "x")
+    result = run_sandboxed(f"import os\ntry:\n    print({probe})\nexcept KeyError:\n    print('unset')\n", **TIGHT)
+    assert result.status == "violation" and result.violations == ("environment: host variable lookup",)
+    assert "x" not in result.stdout.split()
+    leak = f"import os\nprint({probe})"
+    assert reward()(prompts=["p"], completions=[leak], tests=[[{"input": "", "output": "x"}]]) == [None]
+
+
+def test_reading_another_process_environment_is_unscorable():
+    program = "import os\nopen(f'/proc/{os.getppid()}/environ', 'rb').read()\n"
+    result = run_sandboxed(program, **TIGHT)
+    assert result.status == "violation" and result.violations == ("environment: open /proc/<pid>/environ",)
+    own = "import os\nprint(len(open('/proc/self/environ', 'rb').read()) > 0)\n"
+    assert run_sandboxed(own, **TIGHT).status == "ok"
+
+
+def test_unset_or_harmless_variables_are_not_violations(monkeypatch):
+    monkeypatch.setenv("USER", "someone")
+    program = ("import os, tempfile, shutil, getpass\nprint(os.getenv('NOT_SET_ANYWHERE_XYZ'), os.environ.get('USER'))\n"
+               "print(shutil.get_terminal_size().columns > 0, bool(tempfile.gettempdir()))\n")
+    result = run_sandboxed(program, **TIGHT)
+    assert result.status == "ok" and result.violations == ()
+    assert result.stdout.split() == ["None", "None", "True", "True"]
 
 
 def test_huge_file_is_limited():
