@@ -68,7 +68,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.scheme = get_scheme(scheme)
         self.in_features, self.out_features = in_features, out_features
-        self.compute = _check_compute(compute)
+        self.compute = check_compute(compute)
         N, K, G = out_features, in_features, self.scheme.num_groups(in_features)
         self.register_buffer("qweight", torch.empty(qweight_shape(self.scheme, N, K), dtype=WEIGHT_BITS[self.scheme.bits],
                                                     device=device))
@@ -88,14 +88,32 @@ class QuantizedLinear(nn.Module):
         compute: str = "auto",
         source: str = "weight",
     ) -> QuantizedLinear:
-        """Quantize a float weight (N, K) (and keep the bias as it is)."""
+        """Quantize a float weight (N, K) by rounding to nearest (and keep the bias as it is)."""
+        codes, scales, zeros = quantize_weight(weight, get_scheme(scheme), source)
+        return cls.from_codes(codes, scales, zeros, bias, scheme, compute, source)
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        scheme: str | QuantScheme,
+        compute: str = "auto",
+        source: str = "weight",
+    ) -> QuantizedLinear:
+        """A layer from already-rounded weights: centred codes (N, K), scales / zeros (N, G) (e.g. from GPTQ)."""
         scheme = get_scheme(scheme)
-        N, K = weight.shape
-        layer = cls(K, N, scheme, bias is not None, weight.device,
+        N, K = codes.shape
+        G = scheme.num_groups(K)
+        if scales.shape != (N, G) or (zeros is None) != scheme.symmetric or (zeros is not None and zeros.shape != (N, G)):
+            raise PosttrainError(f"{source}: grids {tuple(scales.shape)} / "
+                                 f"{None if zeros is None else tuple(zeros.shape)} do not fit {scheme.name} codes {N}x{K}")
+        layer = cls(K, N, scheme, bias is not None, codes.device,
                     bias.dtype if bias is not None else torch.float32, compute)
-        codes, scales, zeros = quantize_weight(weight, scheme, source)
         with torch.no_grad():
-            layer.qweight = pack_int4(codes) if scheme.bits == 4 else codes
+            layer.qweight = pack_int4(codes) if scheme.bits == 4 else codes.to(torch.int8).contiguous()
             layer.scales.copy_(scales)
             if zeros is not None:
                 layer.zeros.copy_(zeros)
@@ -167,7 +185,7 @@ def qweight_shape(scheme: QuantScheme, out_features: int, in_features: int) -> t
     return (out_features, in_features)
 
 
-def _check_compute(compute: str) -> str:
+def check_compute(compute: str) -> str:
     if compute not in COMPUTE_MODES:
         raise PosttrainError(f"unknown compute mode {compute!r} (choose from {', '.join(COMPUTE_MODES)})")
     return compute
@@ -328,7 +346,7 @@ def quantize_model(model: nn.Module, scheme: str | QuantScheme, compute: str = "
     Quantize before applying LoRA (QLoRA wraps the quantized layers).
     """
     scheme = get_scheme(scheme)
-    _check_compute(compute)
+    check_compute(compute)
     names = decoder_linear_names(model)
     if not names:
         raise PosttrainError("quantize_model: the model has no decoder linear layers (layers.N.self_attn.q_proj ...)")
@@ -366,7 +384,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn
 
 def set_compute(model: nn.Module, compute: str) -> nn.Module:
     """Set `compute` ("auto" | "reference") on every QuantizedLinear of the model."""
-    _check_compute(compute)
+    check_compute(compute)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.compute = compute

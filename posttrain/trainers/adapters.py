@@ -9,7 +9,8 @@ Every trainer config carries the same optional keys, and every trainer calls the
                           quantization and the run exports real quantized weights at the end
 
     load_trainable(cfg.model, lora=..., quant=..., qat=...)   -> (model, tokenizer), ready for the optimizer
-    save_checkpoint_dir(model, tokenizer, run_dir, step, ...)  <run>/checkpoints/step-N
+    save_trained(model, tokenizer, path, ...)                  what a checkpoint holds of the model
+                                                               (train_state.Checkpointer calls it)
     save_final_dir(model, tokenizer, run_dir, ...)             <run>/final
 
 What a save writes follows from what the model holds, so a trainer never branches on it:
@@ -24,7 +25,6 @@ What a save writes follows from what the model holds, so a trainer never branche
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ from posttrain.peft import LoraConfig, apply_lora, lora_layers, save_peft_adapte
 from posttrain.peft.lora import DEFAULT_ADAPTER, find_targets, wrap_linear
 from posttrain.quant import SCHEMES, FakeQuantLinear, convert_qat, prepare_qat, quantize_model, save_quantized
 from posttrain.run_dir import final_dir
-from posttrain.trainers.checkpoint import checkpoint_dir, list_checkpoints
 from posttrain.trainers.sections import ModelSection
 
 
@@ -144,19 +143,6 @@ def save_trained(model: nn.Module, tokenizer: Any, out: str | Path, *, base_mode
         convert_qat(model)
         return save_quantized(model, out, tokenizer)
     return save_hf_dir(model, out, tokenizer=tokenizer)
-
-
-def save_checkpoint_dir(
-    model: nn.Module, tokenizer: Any, run_dir: str | Path, step: int, *, base_model: str, keep_last: int | None = None
-) -> Path:
-    """<run>/checkpoints/step-N (what `save_trained` writes); with `keep_last`, only the newest N are kept."""
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    path = save_trained(model, tokenizer, checkpoint_dir(run_dir, step), base_model=base_model)
-    if keep_last is not None:
-        for _, old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def save_final_dir(model: nn.Module, tokenizer: Any, run_dir: str | Path, *, base_model: str) -> Path:

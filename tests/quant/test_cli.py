@@ -50,3 +50,29 @@ def test_cli_errors(files, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "bleu", "--model", str(model_dir)])
     assert "invalid choice: 'bleu'" in capsys.readouterr().err
+
+
+def test_quantize_with_gptq(files, tmp_path, capsys):
+    model_dir, data = files
+    out = tmp_path / "gptq"
+    assert main(["quantize", "--model", str(model_dir), "--scheme", "int4-g32", "--method", "gptq", "--calib-data",
+                 str(data), "--calib-column", "answer", "--calib-samples", "4", "--calib-seq-len", "32",
+                 "--no-clip-search", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "gptq: calibrating on 4 windows of 32 tokens" in printed and "int4-g32, gptq" in printed
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["method"] == "gptq" and config["gptq"]["act_order"] is True
+    assert config["gptq"]["clip_search"] is False and config["gptq"]["true_sequential"] is True
+    assert config["gptq"]["calibration_samples"] == 4
+    model, _ = load_quantized(out)
+    assert sum(type(m).__name__ == "QuantizedLinear" for m in model.modules()) == 14
+    assert main(["quantize", "--model", str(model_dir), "--scheme", "int4-g32", "--method", "gptq",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--method gptq needs calibration text: --calib-data FILE" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(model_dir), "--scheme", "int4-g32", "--method", "gptq", "--calib-data",
+                 str(data), "--out", str(tmp_path / "y")]) == 2
+    assert "gsm.jsonl:1: no column 'text' (columns: question, answer)" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(model_dir), "--scheme", "int4-g32", "--method", "gptq", "--calib-data",
+                 str(data), "--calib-column", "answer", "--calib-seq-len", "5000", "--out", str(tmp_path / "y")]) == 2
+    assert "fewer than one window of 5000" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
