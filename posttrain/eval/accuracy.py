@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from posttrain.engine import LLM
 from posttrain.errors import PosttrainError
 from posttrain.eval.generation import Sampling, sample
@@ -97,9 +99,12 @@ def evaluate_accuracy(
 def summarize(batch: RolloutBatch, ks: Sequence[int], threshold: float) -> AccuracyResult:
     """Counts, accuracy and pass@k of a scored batch."""
     rewards = batch.rewards.tolist()  # (B,) NaN = unscorable
+    # Rewards are float32 (the trainer's precision): 0.7 is stored as 0.69999999. Compare against the
+    # threshold at that precision too, so a reward of exactly `threshold` counts as correct.
+    threshold_f32 = float(torch.tensor(threshold, dtype=batch.rewards.dtype))
     n = batch.group_size
     scorable = [r for r in rewards if not math.isnan(r)]
-    correct = [not math.isnan(r) and r >= threshold for r in rewards]
+    correct = [not math.isnan(r) and r >= threshold_f32 for r in rewards]
     counts = []  # (scorable, correct) per problem
     for g in range(batch.num_groups):
         group = range(g * n, (g + 1) * n)
@@ -118,7 +123,7 @@ def summarize(batch: RolloutBatch, ks: Sequence[int], threshold: float) -> Accur
         for b in range(min(len(rewards), SAMPLES_KEPT))
     ]
     return AccuracyResult(
-        accuracy=task_accuracy(rewards, threshold) if scorable else None,
+        accuracy=task_accuracy(rewards, threshold_f32) if scorable else None,
         pass_at_k=pass_k, problems_for_k=problems_k, problems=batch.num_groups, samples_per_problem=n,
         samples=len(rewards), scorable=len(scorable), correct=sum(correct), unscorable=len(rewards) - len(scorable),
         threshold=threshold, reward_mean=sum(scorable) / len(scorable) if scorable else None,

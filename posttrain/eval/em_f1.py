@@ -7,8 +7,8 @@ only one is). A row may give several references (a list in the answer column): e
 best over them. Means run over scorable samples; a row with no usable reference (null, empty list) is
 unscorable and counted apart.
 
-`extract` (a regex) pulls the answer out of the completion first: the LAST match counts (a final
-answer comes last), its group "answer" if the pattern names one, else its first group, else the whole
+`extract` (a regex) pulls the answer out of the completion first: the LAST non-empty match counts (a
+final answer comes last), its group "answer" if the pattern names one, else its first group, else the whole
 match. A completion with no match predicts the empty string (EM 0, F1 0) and is counted in `no_match`.
 """
 
@@ -81,11 +81,11 @@ def extract_answer(text: str, pattern: re.Pattern[str] | None) -> str | None:
     """The answer part of a completion (see the module docstring); None when the pattern does not match."""
     if pattern is None:
         return text
-    match = None
-    for match in pattern.finditer(text):
-        pass
-    if match is None:
+    matches = list(pattern.finditer(text))
+    if not matches:
         return None
+    # The last match that consumed text: a pattern that can match empty ("(.*)") also matches at the very end.
+    match = next((m for m in reversed(matches) if m.end() > m.start()), matches[-1])
     if "answer" in pattern.groupindex:
         return match.group("answer") or ""
     return (match.group(1) if pattern.groups else match.group(0)) or ""
