@@ -55,7 +55,7 @@ def _generation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=None,
                        help="tokens per completion (default: 32 for arithmetic, else 256)")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: model's)")
+    group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: the longest prompt + --max-tokens)")
     parser.add_argument("--samples", type=Path, default=None, help="write the first samples (prompt, completion, "
                                                                      "score) to this JSONL file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -84,11 +84,11 @@ def _rows(args: argparse.Namespace, task: str | None) -> Any:
                      system_prompt=args.system, template=args.prompt_template)
 
 
-def _engine(args: argparse.Namespace) -> Any:
-    from posttrain.engine import LLM
+def _engine(args: argparse.Namespace, rows: list[dict[str, Any]], sampling: Any) -> Any:
+    from posttrain.eval.generation import make_engine
 
-    fields = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, **fields)
+    return make_engine(args.model, rows, sampling, dtype=args.dtype, device=args.device,
+                       max_model_len=args.max_model_len)
 
 
 def _write_samples(path: Path | None, records: list[dict[str, Any]]) -> None:
@@ -132,10 +132,13 @@ def accuracy_run(args: argparse.Namespace) -> int:
     sampling = _sampling(args, args.builtin_task)
     sampling.validate()
     ks = check_ks(parse_ks(args.k) if args.k else (1, sampling.n), sampling.n)
+    if not args.reward and args.builtin_task is None:
+        raise PosttrainError("no reward function: with --data, name one with --reward (a built-in, e.g. "
+                             "numeric_match, or path/to/file.py:function)")
     data = _rows(args, args.builtin_task)
     specs = args.reward or ([data.default_reward] if data.default_reward else [])
     reward_specs = load_reward_specs(specs, row_columns(data.rows))  # bad specs fail before the model loads
-    result = evaluate_accuracy(_engine(args), data.rows, reward_specs, sampling=sampling, ks=ks,
+    result = evaluate_accuracy(_engine(args, data.rows, sampling), data.rows, reward_specs, sampling=sampling, ks=ks,
                                threshold=args.threshold, progress=True)
     _write_samples(args.samples, result.records)
     if args.json:
@@ -169,7 +172,7 @@ def em_f1_run(args: argparse.Namespace) -> int:
     sampling.validate()
     compile_extract(args.extract)
     data = _rows(args, None)
-    result = evaluate_em_f1(_engine(args), data.rows, extract=args.extract, sampling=sampling,
+    result = evaluate_em_f1(_engine(args, data.rows, sampling), data.rows, extract=args.extract, sampling=sampling,
                             locations=data.locations, progress=True)
     _write_samples(args.samples, result.records)
     if args.json:

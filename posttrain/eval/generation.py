@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from posttrain.engine import LLM, SamplingParams
+from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import PosttrainError
 from posttrain.eval.prompts import check_prompt_column
-from posttrain.trainers.rollout import RolloutBatch, generate_groups
+from posttrain.trainers.rollout import PROMPT_KEY, RolloutBatch, generate_groups
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,28 @@ class Sampling:
                                   max_tokens=self.max_tokens, seed=self.seed, stop=list(self.stop))
         except ValueError as error:  # the engine's own checks (top_p range, ...)
             raise PosttrainError(str(error)) from None
+
+
+def make_engine(
+    model: str | Path, rows: list[dict[str, Any]], sampling: Sampling, *, dtype: str | None = None,
+    device: str | None = None, max_model_len: int | None = None,
+) -> LLM:
+    """An engine over `model` sized to this evaluation, as the RL trainer sizes its own: context = the
+    longest templated prompt + max_tokens (unless `max_model_len` is given), and every sample of every
+    prompt in one wave (up to the engine's default of 512 sequences), so the KV pool is no bigger than
+    the evaluation can use."""
+    from posttrain.models.hub import load_model
+
+    check_prompt_column(rows)
+    module, tokenizer = load_model(model, dtype=dtype, device=device)
+    if max_model_len is None:
+        longest = max(len(tokenizer.apply_chat_template(list(row[PROMPT_KEY]), add_generation_prompt=True,
+                                                         tokenize=True)) for row in rows)
+        max_model_len = min(longest + sampling.max_tokens, module.config.max_position_embeddings)
+    seqs = min(EngineConfig().max_num_seqs, len(rows) * sampling.n)
+    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=seqs,
+                          max_num_batched_tokens=max(EngineConfig().max_num_batched_tokens, seqs))
+    return LLM(model=module, tokenizer=tokenizer, config=config)
 
 
 def sample(llm: LLM, rows: list[dict[str, Any]], sampling: Sampling, progress: bool = False) -> RolloutBatch:
