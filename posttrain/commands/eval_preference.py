@@ -74,5 +74,5 @@ def preference_run(args: argparse.Namespace) -> int:
         return 0
     print(f"preference accuracy {result.accuracy:.4f} (ties count half)  mean margin {result.mean_margin:.4f}  "
           f"({result.pairs} pairs: {result.wins} won, {result.ties} tied, {result.losses} lost; "
-          f"{result.data.get('bad_rows', 0)} bad rows skipped)")
+          f"{result.data_report.get('bad_rows', 0)} bad rows skipped)")
     return 0

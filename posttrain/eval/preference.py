@@ -45,7 +45,8 @@ class PreferenceResult:
     losses: int
     tie_tolerance: float
     scorer: str  # "reward_model" or "dpo"
-    data: dict[str, Any] = field(default_factory=dict)  # path, format, rows read, bad rows
+    beta: float | None = None  # the DPO implicit reward's beta
+    data_report: dict[str, Any] = field(default_factory=dict)  # path, format, rows read, pairs kept, bad rows
     margins: list[float] = field(default_factory=list)  # per pair
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def pairwise_result(chosen: torch.Tensor, rejected: torch.Tensor, tie_tolerance:
     pairs = margins.numel()
     return PreferenceResult(
         accuracy=(wins + 0.5 * ties) / pairs, mean_margin=float(margins.mean()), pairs=pairs, wins=wins, ties=ties,
-        losses=pairs - wins - ties, tie_tolerance=tie_tolerance, scorer=scorer, data=dict(data or {}),
+        losses=pairs - wins - ties, tie_tolerance=tie_tolerance, scorer=scorer, data_report=dict(data or {}),
         margins=margins.tolist(),
     )
 
@@ -150,5 +151,5 @@ def evaluate_dpo(
 
     chosen, rejected = _in_chunks(len(pairs), score, progress, "dpo implicit reward")
     result = pairwise_result(chosen, rejected, tie_tolerance, "dpo", report)
-    result.data["beta"] = beta
+    result.beta = beta
     return result

@@ -89,6 +89,7 @@ def test_preference_cli_reward_model_and_dpo(capsys, tmp_path, tiny_dir):
     out = run_json(capsys, ["eval", "preference", "--data", str(data), "--reward-model", str(rm), "--json"])
     api = evaluate_reward_model(rm, data)
     assert (out["pairs"], out["accuracy"], out["wins"], out["ties"]) == (8, api.accuracy, api.wins, api.ties)
+    assert (out["data"], out["data_report"]["format"], out["reward_model"]) == (str(data), "preference", str(rm))
     assert out["mean_margin"] == pytest.approx(api.mean_margin)
     same = run_json(capsys, ["eval", "preference", "--data", str(data), "--model", str(tiny_dir),
                              "--ref-model", str(tiny_dir), "--beta", "0.2", "--json"])

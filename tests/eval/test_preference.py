@@ -48,7 +48,7 @@ def test_reward_model_matches_the_trainers_held_out_accuracy(tmp_path):
     chosen = scorer([r["prompt"] for r in pair_rows()], [r["chosen"] for r in pair_rows()])
     rejected = scorer([r["prompt"] for r in pair_rows()], [r["rejected"] for r in pair_rows()])
     assert result.margins == pytest.approx([c - r for c, r in zip(chosen, rejected)], abs=1e-5)
-    assert result.data["format"] == "preference" and result.data["bad_rows"] == 0
+    assert result.data_report["format"] == "preference" and result.data_report["bad_rows"] == 0
 
 
 def completion_logp(model, row) -> float:
@@ -76,7 +76,7 @@ def test_dpo_implicit_reward_by_hand(tmp_path):
     assert 0 < wins < 8  # a case with both outcomes, so the count means something
     assert result.accuracy == wins / 8 and result.wins == wins
     assert result.mean_margin == pytest.approx(sum(margins) / 8, abs=1e-3)
-    assert result.data["beta"] == 0.5
+    assert result.beta == 0.5
 
 
 def test_policy_equal_to_reference_ties_everywhere_and_hh_rlhf_rows(tmp_path):
@@ -88,7 +88,7 @@ def test_policy_equal_to_reference_ties_everywhere_and_hh_rlhf_rows(tmp_path):
     data = write_jsonl(tmp_path / "hh.jsonl", transcripts)
     model = tiny_model(seed=3)
     result = evaluate_dpo(model, model, tiny_tokenizer(), data)
-    assert result.data["format"] == "hh_rlhf" and result.pairs == 2
+    assert result.data_report["format"] == "hh_rlhf" and result.pairs == 2
     assert (result.ties, result.accuracy, result.mean_margin) == (2, 0.5, 0.0)
 
 
@@ -100,7 +100,7 @@ def test_bad_rows_and_options_fail_with_the_file_and_line(tmp_path):
     with pytest.raises(DataError, match=r"pairs.jsonl:2: missing field 'rejected'"):
         evaluate_dpo(model, model, tokenizer, data)
     result = evaluate_dpo(model, model, tokenizer, data, max_bad_row_fraction=0.5)
-    assert result.pairs == 2 and result.data["bad_rows"] == 1
+    assert result.pairs == 2 and result.data_report["bad_rows"] == 1
     with pytest.raises(PosttrainError, match="beta must be > 0"):
         evaluate_dpo(model, model, tokenizer, data, beta=0.0)
     with pytest.raises(PosttrainError, match=r"preference data options: .*unexpected keyword argument 'colums'"):
