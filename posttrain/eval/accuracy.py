@@ -90,6 +90,8 @@ def evaluate_accuracy(
     ks = check_ks(ks if ks is not None else (1, sampling.n), sampling.n)
     if rewards and all(isinstance(spec, RewardSpec) for spec in rewards):
         specs = list(rewards)
+        for spec in specs:  # before any generation: a signature that cannot take the columns fails now
+            check_reward_signature(spec.fn, spec.name, [*row_columns(rows), COMPLETION_IDS_COLUMN])
     else:
         specs = load_reward_specs(list(rewards), row_columns(rows))  # type: ignore[arg-type]
     batch = score_groups(sample(llm, rows, sampling, progress), specs, None)

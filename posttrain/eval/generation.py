@@ -61,13 +61,21 @@ def make_engine(
     check_prompt_column(rows)
     module, tokenizer = load_model(model, dtype=dtype, device=device)
     if max_model_len is None:
-        longest = max(len(tokenizer.apply_chat_template(list(row[PROMPT_KEY]), add_generation_prompt=True,
-                                                         tokenize=True)) for row in rows)
+        longest = max(_prompt_tokens(tokenizer, row[PROMPT_KEY]) for row in rows)
         max_model_len = min(longest + sampling.max_tokens, module.config.max_position_embeddings)
     seqs = min(EngineConfig().max_num_seqs, len(rows) * sampling.n)
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=seqs,
                           max_num_batched_tokens=max(EngineConfig().max_num_batched_tokens, seqs))
     return LLM(model=module, tokenizer=tokenizer, config=config)
+
+
+def _prompt_tokens(tokenizer: Any, prompt: Any) -> int:
+    """Token count of a prompt as the engine encodes it: text as is, chat messages through the template."""
+    if isinstance(prompt, str):
+        return len(tokenizer.encode(prompt, add_special_tokens=True))
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        return len(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
+    return len(prompt)  # token ids
 
 
 def sample(llm: LLM, rows: list[dict[str, Any]], sampling: Sampling, progress: bool = False) -> RolloutBatch:

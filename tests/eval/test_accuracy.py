@@ -154,3 +154,20 @@ def test_a_reward_that_raises_makes_samples_unscorable_not_wrong():
     result = evaluate_accuracy(FakeLLM(COMPLETIONS), ROWS, [RewardSpec("broken", broken, 1.0)])
     assert (result.accuracy, result.scorable, result.unscorable, result.pass_at_k) == (None, 0, 4, {})
     assert result.reward_errors == ["broken: RuntimeError: grader offline"]
+
+
+def test_make_engine_sizes_the_context_to_the_longest_prompt(tmp_path):
+    from posttrain.eval.generation import make_engine
+    from tests.data.tiny import save_tiny_model_dir, tiny_tokenizer
+
+    directory = save_tiny_model_dir(tmp_path / "model")
+    rows = [{"prompt": chat("a short one")}, {"prompt": "a plain text prompt that is somewhat longer"}]
+    llm = make_engine(directory, rows, Sampling(n=2, temperature=1.0, max_tokens=5))
+    tokenizer = tiny_tokenizer()
+    longest = max(len(tokenizer.apply_chat_template(chat("a short one"), add_generation_prompt=True, tokenize=True)),
+                  len(tokenizer.encode(rows[1]["prompt"], add_special_tokens=True)))
+    assert llm.engine.config.max_model_len == longest + 5
+    assert llm.engine.config.max_num_seqs == 4  # 2 prompts x 2 samples, one wave
+    result = evaluate_accuracy(llm, [dict(r, answer="1") for r in rows], ["numeric_match"],
+                               sampling=Sampling(n=2, temperature=1.0, max_tokens=5))
+    assert result.samples == 4 and result.scorable == 4
