@@ -32,7 +32,8 @@ def parse_ks(values: list[str]) -> list[int]:
     return out
 
 
-def _data_arguments(parser: argparse.ArgumentParser, answer_help: str) -> None:
+def _data_arguments(parser: argparse.ArgumentParser, answer_help: str,
+                    num_help: str = "evaluate the first N rows of --data (default: all)") -> None:
     group = parser.add_argument_group("data")
     group.add_argument("--data", type=Path, default=None, help="dataset file (JSONL, JSON, Parquet) or saved HF dataset")
     group.add_argument("--prompt-column", default="prompt", help="the prompt: text or chat messages (default: prompt)")
@@ -40,9 +41,7 @@ def _data_arguments(parser: argparse.ArgumentParser, answer_help: str) -> None:
     group.add_argument("--prompt-template", default=None,
                        help="build a text prompt from the row's columns, e.g. '{question}\\nAnswer briefly.'")
     group.add_argument("--system", default=None, help="a system message before text prompts")
-    group.add_argument("--num", type=int, default=None,
-                       help="problems to evaluate: the first N rows of --data, or N held-out problems of --task "
-                            "(default: all rows; 100 task problems)")
+    group.add_argument("--num", type=int, default=None, help=num_help)
 
 
 def _generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +52,7 @@ def _generation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same samples; default 0)")
     group.add_argument("--max-tokens", type=int, default=None,
-                       help="tokens per completion (default: 32 for arithmetic, else 256)")
+                       help="tokens per completion (default: 32 for --task arithmetic, else 256)")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: the longest prompt + --max-tokens)")
     parser.add_argument("--samples", type=Path, default=None, help="write the first samples (prompt, completion, "
@@ -116,7 +115,9 @@ def accuracy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", dest="builtin_task", choices=sorted(TASKS), default=None,
                         help="a built-in task's held-out problems (its own reward unless --reward is given)")
     parser.add_argument("--task-data", default=None, help="the task's data file (gsm8k: a train.jsonl)")
-    _data_arguments(parser, "the reference answer, given to the reward as `answer` (default: answer)")
+    _data_arguments(parser, "the reference answer, given to the reward as `answer` (default: answer)",
+                    "problems to evaluate: the first N rows of --data, or N held-out problems of --task "
+                    "(default: all rows; 100 task problems)")
     parser.add_argument("--reward", action="append", default=[],
                         help="reward spec: a built-in (numeric_match, gsm8k, boxed, ...) or path/to/file.py:function; "
                              "repeatable, the total is the sum")
