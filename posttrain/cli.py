@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("posttrain.commands.info", "architecture, parameter count, dtype and memory of a model"),
     "convert": ("posttrain.commands.convert", "convert a model (GGUF, HF dir, known name) to an HF directory"),
     "quantize": ("posttrain.commands.quantize", "write an int8 / int4 quantized model directory"),
-    "eval": ("posttrain.commands.eval", "evaluate a model: `posttrain eval ppl ...` (perplexity)"),
+    "eval": ("posttrain.commands.eval", "evaluate a model: perplexity, task accuracy / pass@k, EM / F1, preference accuracy"),
     "sft": ("posttrain.commands.sft", "supervised fine-tuning on prompt/completion, chat or text data"),
     "lora-merge": ("posttrain.commands.lora_merge", "merge a PEFT LoRA adapter into its base model and save an HF directory"),
     "grpo": ("posttrain.commands.grpo", "RL with the GRPO family (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp)"),

@@ -1,6 +1,9 @@
 """`posttrain eval <task> ...`: evaluation tasks, one registry entry each.
 
     posttrain eval ppl --model M --data FILE [--column answer] [--skip N] [--max-rows N] [--max-length L] [--json]
+    posttrain eval accuracy --task arithmetic|gsm8k | --data FILE --reward SPEC [--n K --temperature T --k 1,4] [--json]
+    posttrain eval em-f1 --data FILE [--answer-column C] [--extract REGEX] [--json]
+    posttrain eval preference --data PAIRS (--reward-model DIR | --model POLICY --ref-model REF --beta B) [--json]
 
 A task is a help line, a function that adds its arguments and a function that runs it; add one by adding
 an entry to TASKS.
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from posttrain.commands.common import add_model_arguments
+from posttrain.commands.eval_generation import accuracy_arguments, accuracy_run, em_f1_arguments, em_f1_run
+from posttrain.commands.eval_preference import preference_arguments, preference_run
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,12 @@ def _ppl_run(args: argparse.Namespace) -> int:
 
 TASKS: dict[str, EvalTask] = {
     "ppl": EvalTask("perplexity on held-out text (a JSONL text column)", _ppl_arguments, _ppl_run),
+    "accuracy": EvalTask("task accuracy and pass@k of generated answers (built-in task, or a file + a reward)",
+                         accuracy_arguments, accuracy_run),
+    "em-f1": EvalTask("exact match and token F1 of generated answers against a reference column",
+                      em_f1_arguments, em_f1_run),
+    "preference": EvalTask("pairwise preference accuracy of a reward model or a DPO policy's implicit reward",
+                           preference_arguments, preference_run),
 }
 
 

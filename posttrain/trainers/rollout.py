@@ -46,6 +46,27 @@ class PromptSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+def prompt_row(
+    record: dict[str, Any], prompt_column: str, where: str, template: str | None = None, system_prompt: str | None = None,
+) -> dict[str, Any]:
+    """A dataset record as a rollout row: the prompt column becomes `prompt` (a string gets `template`,
+    formatted with the record's columns, and `system_prompt`, and becomes a one-turn chat); the other
+    columns stay for the reward functions. `where` (file:line) names the record in errors."""
+    prompt = record[prompt_column]
+    columns = {k: v for k, v in record.items() if k != prompt_column}
+    if isinstance(prompt, str):
+        try:
+            text = template.format(**record) if template else prompt
+        except (KeyError, IndexError, ValueError) as error:
+            raise PosttrainError(f"{where}: prompt template {template!r} cannot be filled from this row "
+                                 f"({type(error).__name__}: {error}; columns: {', '.join(record)})") from None
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        prompt = messages + [{"role": "user", "content": text}]
+    elif not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
+        raise PosttrainError(f"{where}: column {prompt_column!r} must be a string or a list of chat messages")
+    return {**columns, PROMPT_KEY: prompt}
+
+
 class JsonlPrompts:
     """Rows of a JSONL file; the prompt column becomes `prompt` (a string gets the template and system
     prompt and becomes a one-turn chat). The last `eval_size` rows are held out; training cycles over
@@ -82,15 +103,7 @@ class JsonlPrompts:
 
     @staticmethod
     def _to_row(record: dict[str, Any], cfg: DataSection, where: str) -> dict[str, Any]:
-        prompt = record[cfg.prompt_column]
-        columns = {k: v for k, v in record.items() if k != cfg.prompt_column}
-        if isinstance(prompt, str):
-            text = cfg.prompt_template.format(**record) if cfg.prompt_template else prompt
-            messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-            prompt = messages + [{"role": "user", "content": text}]
-        elif not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
-            raise PosttrainError(f"{where}: column {cfg.prompt_column!r} must be a string or a list of chat messages")
-        return {**columns, PROMPT_KEY: prompt}
+        return prompt_row(record, cfg.prompt_column, where, cfg.prompt_template, cfg.system_prompt)
 
     def sample(self, n: int) -> list[dict[str, Any]]:
         out = []
@@ -247,9 +260,10 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     )
 
 
-def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams) -> RolloutBatch:
-    """n = params.n samples of each row's prompt from the engine, with their sampling logprobs."""
-    outputs = llm.generate([row[PROMPT_KEY] for row in rows], params)
+def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams, use_tqdm: bool = False) -> RolloutBatch:
+    """n = params.n samples of each row's prompt from the engine, with their sampling logprobs
+    (`use_tqdm`: the engine's progress bar over the prompts)."""
+    outputs = llm.generate([row[PROMPT_KEY] for row in rows], params, use_tqdm=use_tqdm)
     completion_ids, texts, logprobs, reasons, versions = [], [], [], [], []
     for output in outputs:
         for sample in output.outputs:
