@@ -60,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # string: options before it (`posttrain dpo --loss kto data.path=x`) come back unknown, in order.
         args.argv = unknown + args.argv
     try:
+        if getattr(args, "nproc", None) is not None:
+            from posttrain.dist.launch import relaunch
+
+            return relaunch(args.nproc, argv)
         return int(module.run(args) or 0)
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
