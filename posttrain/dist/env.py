@@ -78,17 +78,27 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def reduce_metrics(metrics: dict[str, float], sum_keys: set[str] | frozenset[str], device: torch.device) -> dict[str, float]:
+def reduce_metrics(metrics: dict[str, Any], sum_keys: set[str] | frozenset[str], device: torch.device) -> dict[str, Any]:
     """Metrics of the whole step from each rank's share: keys in `sum_keys` summed over the ranks (token
-    counts, each rank's part of a globally-normalised loss), every other key averaged (values that are the
-    same on every rank, such as the gradient norm after the reduction, stay what they are). One all-reduce."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not metrics:
+    counts, each rank's part of a globally-normalised loss), every other numeric key averaged over the ranks
+    that have it (values that are the same on every rank, such as the gradient norm after the reduction, stay
+    what they are). A key only some ranks report (a metric of a case one rank met) is reduced over those.
+    Text values stay this rank's. Two collectives: the key lists, then one all-reduce."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(metrics)
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)  # (K,)
-    dist.all_reduce(values)
-    world = dist.get_world_size()
-    return {k: float(v) if k in sum_keys else float(v) / world for k, v in zip(keys, values.tolist())}
+    numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    lists: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, sorted(numeric))
+    keys = sorted(set().union(*lists))
+    if not keys:
+        return dict(metrics)
+    # (2, K): row 0 the values (0 where this rank has none), row 1 how many ranks contributed.
+    table = torch.tensor([[numeric.get(k, 0.0) for k in keys], [float(k in numeric) for k in keys]],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(table)
+    totals, counts = table.tolist()
+    reduced = {k: total if k in sum_keys else total / count for k, total, count in zip(keys, totals, counts)}
+    return {**metrics, **reduced}
 
 
 def all_reduce_count(count: float, device: torch.device) -> float:

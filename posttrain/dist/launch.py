@@ -28,6 +28,23 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def split_nproc(argv: Sequence[str]) -> tuple[int | None, list[str]]:
+    """(the value of `--nproc N` / `--nproc=N` anywhere in `argv`, or None; `argv` without it). A trainer's
+    overrides swallow everything after the config path, so `--nproc` is looked for there too."""
+    value: str | None = None
+    for index, arg in enumerate(argv):
+        if arg == "--nproc" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith("--nproc="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return None, list(argv)
+    try:
+        return int(value), without_nproc(argv)
+    except ValueError:
+        raise ConfigError(f"--nproc needs a number of processes, got {value!r}") from None
+
+
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "posttrain", *without_nproc(argv)]

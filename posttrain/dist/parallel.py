@@ -44,6 +44,10 @@ class _Call(nn.Module):
         return fn(self.model, *args)
 
 
+def _nothing(model: nn.Module) -> None:
+    return None
+
+
 def checkpoint_layers(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward (non-reentrant torch.utils.checkpoint).
 
@@ -103,19 +107,37 @@ class Parallel:
             fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
         # The root group owns the rest (embeddings, tied LM head, final norm); it is used again right after
         # the forward by the loss, so it is never resharded in between.
-        return fully_shard(_Call(model), reshard_after_forward=False, mp_policy=mp)
+        root = fully_shard(_Call(model), reshard_after_forward=False, mp_policy=mp)
+        # One call through the root now initialises FSDP's state with the root as root. Otherwise the first
+        # forward that reaches a layer directly (the rollout engine's, see `full_weights`) would make that
+        # layer a root of its own. Every rank does it here, together (it gathers the root's parameters).
+        with torch.no_grad():
+            root(_nothing)
+        root.reshard()  # type: ignore[operator]  # the root's Parameters are its shards again (the optimizer's)
+        return root
+
+    @property
+    def world(self) -> int:
+        """The ranks the batch is split over: the world size when wrapped, 1 with strategy none."""
+        return self.ctx.world_size if self.wrapped is not None else 1
 
     @property
     def loss_scale(self) -> float:
         """Multiply each rank's globally-normalised loss by this before backward (see the module docstring)."""
-        return float(self.ctx.world_size) if self.wrapped is not None else 1.0
+        return float(self.world)
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(model, *args)` through the DDP / FSDP2 hooks (a plain call with strategy none)."""
         with torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext():
             if self.wrapped is None:
                 return fn(self.model, *args)
-            return self.wrapped(fn, *args)
+            out = self.wrapped(fn, *args)
+        if self.strategy == "fsdp2" and not torch.is_grad_enabled():
+            # FSDP2 reshards the root's parameters in the backward; a no-grad pass (evaluation, a scoring pass)
+            # has none, and would leave the whole parameters registered where the optimizer and checkpoints
+            # expect the shards.
+            self.wrapped.reshard()  # type: ignore[operator]
+        return out
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -132,6 +154,33 @@ class Parallel:
                 self.wrapped.set_requires_gradient_sync(True)  # type: ignore[union-attr]
         else:
             yield
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """Inside: every parameter of the model whole on every rank (FSDP2 all-gathers them once; a no-op for
+        the other strategies). For work the ranks do each on their own, without lockstep collectives: the
+        rollout engine, whose ranks run different numbers of forwards. Costs a full copy of the weights per
+        rank for its duration; they are resharded (freed) on the way out."""
+        if self.strategy != "fsdp2":
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self.wrapped
+        groups = [m for m in root.modules() if isinstance(m, FSDPModule)]  # type: ignore[union-attr]
+        # The engine calls the layers themselves, so their FSDP hooks run: with everything already gathered their
+        # pre-forward gather is a no-op, and with resharding after forward off their post-forward frees nothing,
+        # so no rank waits on another while each generates at its own pace.
+        root.set_reshard_after_forward(False)  # type: ignore[union-attr]
+        for group in groups:
+            group.unshard()
+        try:
+            yield
+        finally:
+            for group in groups:
+                group.reshard()
+            for layer in self.model.layers:
+                layer.set_reshard_after_forward(self.section.reshard_after_forward, recurse=False)
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's share of a global batch: items rank, rank + W, rank + 2W, ... (strided, so rows of

@@ -9,7 +9,7 @@ import torch
 from posttrain.config import load_config
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import DistContext, all_reduce_count, init_distributed, reduce_metrics
-from posttrain.dist.launch import torchrun_command, without_nproc
+from posttrain.dist.launch import split_nproc, torchrun_command, without_nproc
 from posttrain.dist.parallel import Parallel
 from posttrain.errors import ConfigError
 from posttrain.trainers.sft import SFTConfig
@@ -74,3 +74,11 @@ def test_nproc_is_dropped_from_the_relaunched_command():
     command = torchrun_command(2, ["sft", "--nproc", "2", "cfg.yaml"])
     assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "posttrain",
                            "sft", "cfg.yaml"]
+
+
+def test_nproc_is_found_among_the_overrides_too():
+    assert split_nproc(["cfg.yaml", "--nproc", "2", "x=1"]) == (2, ["cfg.yaml", "x=1"])
+    assert split_nproc(["cfg.yaml", "--nproc=4"]) == (4, ["cfg.yaml"])
+    assert split_nproc(["cfg.yaml", "x=1"]) == (None, ["cfg.yaml", "x=1"])
+    with pytest.raises(ConfigError, match="--nproc needs a number of processes, got 'two'"):
+        split_nproc(["--nproc", "two"])

@@ -55,9 +55,9 @@ def one_process(config_file, tmp_path_factory) -> Path:
 
 
 def _nproc_shortcut(argv: list[str]) -> None:
-    """`python -m posttrain sft --nproc 2 ...`: the shortcut that relaunches itself under torchrun."""
+    """`python -m posttrain sft CONFIG ... --nproc 2`: the shortcut that relaunches itself under torchrun."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "posttrain", "sft", "--nproc", "2", *argv], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "posttrain", "sft", *argv, "--nproc", "2"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-6000:]
 
