@@ -83,24 +83,32 @@ def test_two_processes_take_the_step_of_one(strategy, config_file, one_process, 
     assert max_difference(final_weights(out), reference) <= TOLERANCE
 
 
-def test_fsdp2_run_resumes_on_one_process(config_file, tmp_path):
-    """4 steps on 2 FSDP2 ranks with a sharded checkpoint at step 2; resumed from it by 1 process (FSDP2 under
-    torchrun, and a plain process), steps 3 and 4 give the same losses and the same final weights."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_process_run_resumes_on_one_process(strategy, config_file, tmp_path):
+    """4 steps on 2 ranks with a checkpoint at step 2; resumed from it by 1 process, steps 3 and 4 give the same
+    losses and the same final weights. DDP: rank 0 wrote the usual whole-weights checkpoint. FSDP2: every rank
+    its DCP shards, resumed both by a plain process and by FSDP2 on 1 rank (resharded to the reader's layout)."""
     two = tmp_path / "two"
     steps = ["train.max_steps=4", "train.save_every=2", "train.batch_size=2", "train.grad_accum=1"]
-    torchrun(2, ["sft", str(config_file), f"out={two}", "dist.strategy=fsdp2", *steps])
+    torchrun(2, ["sft", str(config_file), f"out={two}", f"dist.strategy={strategy}", *steps])
     checkpoint = two / "checkpoints" / "step-2"
-    assert (checkpoint / "shards" / ".metadata").is_file() and (checkpoint / "COMMITTED").is_file()
-    assert len(list((checkpoint / "shards").glob("*.distcp"))) == 2  # one file of shards per rank
+    assert (checkpoint / "COMMITTED").is_file()
+    if strategy == "fsdp2":
+        assert (checkpoint / "shards" / ".metadata").is_file()
+        assert len(list((checkpoint / "shards").glob("*.distcp"))) == 2  # one file of shards per rank
+    else:
+        assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.safetensors").is_file()
     expected = losses(two)
     assert sorted(expected) == [1, 2, 3, 4]
 
-    sharded_one = tmp_path / "fsdp2-one"
-    torchrun(1, ["sft", str(config_file), f"out={sharded_one}", "dist.strategy=fsdp2", f"resume={checkpoint}", *steps])
-    plain_one = train_sft(load_config(SFTConfig, config_file,
-                                      overrides=[f"out={tmp_path / 'plain-one'}", f"resume={checkpoint}", *steps]))
-    for resumed in (sharded_one, plain_one):
-        got = losses(resumed)
+    resumed = [train_sft(load_config(SFTConfig, config_file,
+                                     overrides=[f"out={tmp_path / 'plain-one'}", f"resume={checkpoint}", *steps]))]
+    if strategy == "fsdp2":
+        resumed.append(tmp_path / "fsdp2-one")
+        torchrun(1, ["sft", str(config_file), f"out={resumed[-1]}", "dist.strategy=fsdp2", f"resume={checkpoint}",
+                     *steps])
+    for run in resumed:
+        got = losses(run)
         assert sorted(got) == [3, 4]
         assert all(abs(got[s] - expected[s]) <= TOLERANCE for s in (3, 4)), (got, expected)
-        assert max_difference(final_weights(resumed), final_weights(two)) <= TOLERANCE
+        assert max_difference(final_weights(run), final_weights(two)) <= TOLERANCE
