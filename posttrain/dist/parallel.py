@@ -34,11 +34,14 @@ T = TypeVar("T")
 
 
 class _Call(nn.Module):
-    """The module DDP / FSDP2 wrap: `forward(fn, *args)` is `fn(model, *args)`, inside their hooks."""
+    """The module DDP / FSDP2 wrap: `forward(fn, *args)` is `fn(model, *args)`, inside their hooks. `beside`:
+    modules trained next to the model (a reward model's score head), registered here so that their gradients
+    are reduced with the model's."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, beside: dict[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.model = model
+        self.beside = nn.ModuleDict(beside or {})
 
     def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(self.model, *args)
@@ -66,7 +69,10 @@ class Parallel:
     """The model as the strategy spreads it over the ranks; `model` stays the real `Transformer` (whose
     parameters are DTensor shards under fsdp2), `run` calls through the wrapper."""
 
-    def __init__(self, model: nn.Module, section: DistSection, ctx: DistContext) -> None:
+    def __init__(self, model: nn.Module, section: DistSection, ctx: DistContext, *,
+                 beside: dict[str, nn.Module] | None = None, unused_parameters: bool = False) -> None:
+        """`beside`: modules trained next to the model, whose gradients are reduced with it (ddp only).
+        `unused_parameters`: some trainable parameters get no gradient in a step (DDP must look for them)."""
         self.model, self.section, self.ctx = model, section, ctx
         self.strategy = section.strategy
         device = next(model.parameters()).device
@@ -79,8 +85,12 @@ class Parallel:
 
             # device_ids=None: the inputs are already on the rank's device; buffers (rotary tables) are
             # computed, not trained, so they need no broadcast before every forward.
-            self.wrapped = DistributedDataParallel(_Call(model), device_ids=None, forward_sync_buffers=False)
+            self.wrapped = DistributedDataParallel(_Call(model, beside), device_ids=None, forward_sync_buffers=False,
+                                                   find_unused_parameters=unused_parameters)
         elif self.strategy == "fsdp2":
+            if beside:
+                raise ConfigError(f"dist.strategy=fsdp2 cannot shard the modules trained beside the model "
+                                  f"({', '.join(beside)}); use dist.strategy=ddp")
             self.wrapped = self._fully_shard(model)
             self.autocast = False  # FSDP2's own MixedPrecisionPolicy casts the gathered parameters
 

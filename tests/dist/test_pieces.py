@@ -41,6 +41,13 @@ def test_config_refuses_fsdp2_with_lora_and_unknown_strategies(tmp_path):
         load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=ddp", "dist.reshard_after_forward=false"])
 
 
+def test_reward_models_refuse_fsdp2_by_name():
+    from posttrain.trainers.reward_model import RMConfig
+
+    with pytest.raises(Exception, match="dist.strategy=fsdp2 is not available for reward models yet"):
+        load_config(RMConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2"])
+
+
 def test_shards_are_strided_and_the_global_batch_must_divide():
     parallel = Parallel(tiny_model(), DistSection(), DistContext(rank=1, world_size=2))
     assert parallel.shard(list(range(6))) == [1, 3, 5]
