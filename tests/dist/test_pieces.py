@@ -48,6 +48,22 @@ def test_reward_models_refuse_fsdp2_by_name():
         load_config(RMConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2"])
 
 
+def test_batch_wide_methods_refuse_data_parallelism_by_name():
+    from posttrain.trainers.distill import DistillConfig
+    from posttrain.trainers.dpo import DPOConfig
+    from posttrain.trainers.rl_config import GRPOConfig
+
+    with pytest.raises(Exception, match="mode=on_policy cannot run with dist.strategy=ddp"):
+        load_config(DistillConfig, overrides=["data.path=x.jsonl", "teacher.name_or_path=t", "mode=on_policy",
+                                              "dist.strategy=ddp"])
+    with pytest.raises(Exception, match="loss=kto cannot run with dist.strategy=fsdp2"):
+        load_config(DPOConfig, overrides=["data.path=x.jsonl", "loss=kto", "dist.strategy=fsdp2"])
+    with pytest.raises(Exception, match="dapo.dynamic_sampling cannot run with dist.strategy=ddp"):
+        load_config(GRPOConfig, overrides=["algorithm=dapo", "dist.strategy=ddp"])
+    with pytest.raises(Exception, match="reinforce_pp advantage whitens over the whole batch"):
+        load_config(GRPOConfig, overrides=["algorithm=reinforce_pp", "dist.strategy=ddp"])
+
+
 def test_shards_are_strided_and_the_global_batch_must_divide():
     parallel = Parallel(tiny_model(), DistSection(), DistContext(rank=1, world_size=2))
     assert parallel.shard(list(range(6))) == [1, 3, 5]
