@@ -3,7 +3,8 @@
 Exactness comes from `rollout.seed_prompts`: each prompt's request is seeded from (train.seed, step, its place
 among the step's prompts), so the rank that gets it samples the very completions the single process does;
 the rest (group advantages, the globally-normalised token-mean loss, the gradient reduction) is then exact.
-Two steps: the second samples from the weights the first update wrote (gathered whole under FSDP2)."""
+Two steps: the second samples from the weights the first update wrote (gathered whole under FSDP2). The FSDP2
+run also checkpoints step 1 (DCP shards), which one plain process resumes into the same step 2."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def one_process(overrides, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_take_the_grpo_steps_of_one(strategy, overrides, one_process, tmp_path):
     out = tmp_path / "run"
-    torchrun(2, ["grpo", *overrides, f"out={out}", f"dist.strategy={strategy}"])
+    save = ["train.save_every=1"] if strategy == "fsdp2" else []  # a sharded checkpoint at step 1, resumed below
+    torchrun(2, ["grpo", *overrides, f"out={out}", f"dist.strategy={strategy}", *save])
     got, want = read_metrics(out), read_metrics(one_process)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for mine, theirs in zip(got, want):
@@ -61,3 +63,11 @@ def test_two_processes_take_the_grpo_steps_of_one(strategy, overrides, one_proce
     model_dir = Path(next(o for o in overrides if o.startswith("model.")).split("=", 1)[1])
     assert max_difference(read_safetensors(model_dir), reference) > 1e-3  # the steps moved the weights
     assert max_difference(final_weights(out), reference) <= TOLERANCE
+    if strategy == "fsdp2":
+        # The 2-rank sharded checkpoint, resumed by one plain process: step 2 samples and updates as before.
+        resumed = train_grpo(load_config(GRPOConfig, None, [*overrides, f"out={tmp_path / 'resumed'}",
+                                                            f"resume={out / 'checkpoints' / 'step-1'}"]))
+        [again] = read_metrics(resumed)
+        for key in ("reward/mean", "loss", "grad_norm"):
+            assert abs(again[key] - got[1][key]) <= TOLERANCE * max(1.0, abs(got[1][key])), key
+        assert max_difference(final_weights(resumed), final_weights(out)) <= TOLERANCE
