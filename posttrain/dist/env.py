@@ -101,6 +101,14 @@ def reduce_metrics(metrics: dict[str, Any], sum_keys: set[str] | frozenset[str],
     return {**metrics, **reduced}
 
 
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of `tensor` over the ranks, as a new tensor (a copy in a single process)."""
+    out = tensor.clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
 def all_reduce_count(count: float, device: torch.device) -> float:
     """The sum of `count` over the ranks (the global token or pair count a loss is normalised by)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

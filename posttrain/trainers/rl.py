@@ -50,7 +50,7 @@ from posttrain.models.moe import router_loss_and_metrics
 from posttrain.rewards import RewardSpec
 from posttrain.trainers.adapters import has_adapters, prepare_trainable, save_final_dir
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.ppo import ValueHead, ppo_advantages, save_value_head
+from posttrain.trainers.ppo import ValueHead, ppo_advantages, save_value_head, whiten_over_ranks
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups, packed_forward
 from posttrain.trainers.rl_config import (
     GRPOConfig,
@@ -144,7 +144,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     load the model, build the engine over it, the optimizer and the run directory."""
     validate_tree(cfg)
     algo = resolve_algorithm(cfg)
-    dist_section = getattr(cfg, "dist", None) or DistSection()  # PPO has no dist: section (yet): one process
+    dist_section = cfg.dist
     ctx, model_section = join_processes(dist_section, cfg.model)
     source = make_prompt_source(cfg.data)
     columns = data_columns(source)
@@ -165,16 +165,19 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     reference = None
     if cfg.kl.beta > 0 and not has_adapters(model):
         reference = copy.deepcopy(model).eval().requires_grad_(False)  # a whole frozen copy on every rank
-    parallel = Parallel(model, dist_section, ctx)  # before the optimizer: FSDP2 replaces the Parameters by shards
+    value_head = None
+    if algo.uses_value_head:  # PPO's critic on the policy trunk; DDP reduces its gradients with the trunk's
+        value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
+    beside = {"value_head": value_head} if value_head is not None else None
+    # Before the optimizer: FSDP2 replaces the Parameters by shards.
+    parallel = Parallel(model, dist_section, ctx, beside=beside)
     try:
         rank_batch_sizes(cfg, parallel.world)  # every rank the same whole groups, minibatches and micro-batches
     except ValueError as error:
         raise ConfigError(str(error)) from None
     optim = cfg.optim
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
-    value_head = None
-    if algo.uses_value_head:  # its own group: a fresh head learns at its own (higher) rate
-        value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
+    if value_head is not None:  # its own group: a fresh head learns at its own (higher) rate
         optimizer.add_param_group({"params": list(value_head.parameters()),
                                    "lr": cfg.ppo.value_lr or optim.lr * 100, "weight_decay": 0.0})
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
@@ -319,8 +322,12 @@ def _advantages(run: RLRun, data: _Batch, behaviour: Tensor, ref: Tensor | None,
                                                        kl_coef=cfg.kl.beta)
         return adv, None, metrics
     ppo = cfg.ppo
+    world = run.parallel.world if run.parallel is not None else 1
     adv, returns = ppo_advantages(rewards, values, loss_mask, gamma=ppo.gamma, lam=ppo.lam,
-                                  whiten=ppo.whiten_advantages, per_token_kl=kl_tokens, kl_coef=cfg.kl.beta)
+                                  whiten=ppo.whiten_advantages and world == 1, per_token_kl=kl_tokens,
+                                  kl_coef=cfg.kl.beta)
+    if ppo.whiten_advantages and world > 1:  # whitened over the whole batch, every rank's samples
+        adv = whiten_over_ranks(adv, loss_mask)
     metrics["value/returns_mean"] = float(masked_mean(returns, loss_mask))
     return adv, returns, metrics
 
@@ -553,7 +560,10 @@ def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
 def _save_final(run: RLRun) -> Path:
     # The PEFT adapter with LoRA / QLoRA, else an HF directory; the value head goes beside either.
     if run.parallel is not None and run.parallel.wrapped is not None:
-        return save_final_parallel(run.parallel, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
+        out = save_final_parallel(run.parallel, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
+        if run.value_head is not None and is_main():  # ddp: the same head on every rank
+            save_value_head(run.value_head, out)
+        return out
     out = save_final_dir(run.model, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
     if run.value_head is not None:
         save_value_head(run.value_head, out)

@@ -326,11 +326,21 @@ class PPOConfig:
     out: str | None = None
     resume: str | None = None  # as in GRPOConfig
     save_final: bool = True
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism (ddp); docs/distributed.md
 
     def validate(self) -> None:
         _need(self.loss.advantage in (None, "gae"), "PPO's advantage is GAE; leave loss.advantage unset")
         _need(self.loss.policy_loss in (None, "ppo_clip", "dapo"), "PPO's policy loss is ppo_clip or dapo")
         validate_config(self)
+        _need(self.dist.strategy != "fsdp2", "dist.strategy=fsdp2 is not available for PPO yet (its value head "
+              "trains beside the sharded trunk); use dist.strategy=ddp")
+        if self.dist.strategy != "none":
+            from posttrain.trainers.distributed import check_dist_options
+
+            check_dist_options(self.dist, self.lora, self.quant, None)
+            _need(not resolve_algorithm(self).dynamic_sampling,
+                  f"dapo.dynamic_sampling cannot run with dist.strategy={self.dist.strategy} (each rank would refill "
+                  "on its own); set dapo.dynamic_sampling=false or dist.strategy=none")
 
 
 RLConfig = GRPOConfig | PPOConfig
