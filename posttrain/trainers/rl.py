@@ -41,7 +41,6 @@ from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, masked_mean, value_loss
 from posttrain.engine import LLM, EngineConfig, SamplingParams
-from posttrain.dist.config import DistSection
 from posttrain.dist.env import all_reduce_count, broadcast_object, is_main, reduce_metrics
 from posttrain.dist.parallel import Parallel
 from posttrain.errors import ConfigError, PosttrainError
@@ -62,7 +61,7 @@ from posttrain.trainers.rl_config import (
     resolve_algorithm,
     validate_tree,
 )
-from posttrain.trainers.rl_metrics import StepTimer, WeightedMeans, headline, nan_stats, peak_memory_gb, progress_bar
+from posttrain.trainers.rl_metrics import StepTimer, WeightedMeans, batch_metrics, headline, peak_memory_gb, progress_bar
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
@@ -76,6 +75,7 @@ from posttrain.trainers.rollout import (
     evaluate,
     load_reward_specs,
     make_prompt_source,
+    prompt_seed_base,
 )
 from posttrain.trainers.distributed import join_processes, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
@@ -212,12 +212,6 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if start.checkpoint is not None:
         run.start_step = run.checkpointer.restore(start.checkpoint)
     return run
-
-
-def _seed_base(seed: int, step: int) -> int:
-    """The seed of the step's first prompt with rollout.seed_prompts (see collect_rollout); steps stay apart
-    by 2**24 seeds (prompts x samples of a step)."""
-    return (seed * 1_000_003 + step) << 24
 
 
 def _policy_forward(run: RLRun, module: nn.Module, pack: PackedGroups, **kwargs: Any) -> Any:
@@ -464,7 +458,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
             run.llm, run.source, cfg.rollout.prompts_per_step, run.params, run.specs, run.overlong,
             run.algo.dynamic_sampling, cfg.dapo.max_refill_rounds,
             shard=parallel.shard if sharded else None,
-            seed_base=_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
+            seed_base=prompt_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
         )
     timer.seconds["rollout"] = stats.rollout_s
     timer.seconds["reward"] = stats.reward_s
@@ -477,7 +471,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     if batch is None:  # dynamic sampling left no group with a learning signal
         metrics.update({"skipped": 1, "time/step_s": time.perf_counter() - step_start, **timer.metrics()})
         return metrics
-    metrics.update(_batch_metrics(batch))
+    metrics.update(batch_metrics(batch))
     data = _prepare(run, batch)
     ref = values = old = None
     if run.uses_reference:
@@ -514,24 +508,6 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     if sharded:  # counts and throughputs add up over the ranks; means (over equal shares) average
         metrics = reduce_metrics(metrics, SUMMED_METRICS, run.device)
     return metrics
-
-
-def _batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
-    lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-    out: dict[str, Any] = {}
-    out.update(nan_stats(batch.rewards, "reward"))
-    if batch.task_rewards is not None and not torch.equal(batch.task_rewards.nan_to_num(-7), batch.rewards.nan_to_num(-7)):
-        out.update(nan_stats(batch.task_rewards, "reward/task"))
-    for name, values in batch.per_function.items():
-        out.update(nan_stats(values, f"reward/{name}"))
-    out["reward/unscorable"] = int(torch.isnan(batch.rewards).sum())
-    out["response_len/mean"] = float(lengths.mean())
-    out["response_len/max"] = float(lengths.max())
-    out["response_len/clipped_frac"] = sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons)
-    out["num_samples"] = batch.num_samples
-    if batch.reward_errors:
-        out["reward/error"] = batch.reward_errors[0][:200]
-    return out
 
 
 # ----------------------------------------------------------------------------- the run

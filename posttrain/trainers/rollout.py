@@ -317,6 +317,12 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
     return ~keep
 
 
+def prompt_seed_base(seed: int, step: int) -> int:
+    """The seed of the step's first prompt with rollout.seed_prompts (see collect_rollout); steps stay apart
+    by 2**24 seeds (prompts x samples of a step)."""
+    return (seed * 1_000_003 + step) << 24
+
+
 def collect_rollout(
     llm: LLM,
     source: PromptSource,

@@ -4,8 +4,6 @@ rank's samples, so the two runs make the same updates."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from safetensors.torch import load_file
 
