@@ -60,6 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # string: options before it (`posttrain dpo --loss kto data.path=x`) come back unknown, in order.
         args.argv = unknown + args.argv
     try:
+        if hasattr(args, "nproc"):  # a trainer with a dist: section
+            from posttrain.dist.launch import relaunch, split_nproc
+
+            nproc, args.argv = split_nproc(args.argv)  # `--nproc` after the config lands among the overrides
+            nproc = args.nproc if nproc is None else nproc
+            if nproc is not None:
+                return relaunch(nproc, argv)
         return int(module.run(args) or 0)
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from posttrain.models.hub import DEFAULT_MODEL
+
+
+def is_main_process() -> bool:
+    """False on torchrun's ranks other than 0 (read from the environment: the process group may not exist yet)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +24,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
-    """The trainers' one positional: an optional YAML config, then dotted overrides (`example` shows some)."""
+def add_config_arguments(parser: argparse.ArgumentParser, example: str, distributed: bool = False) -> None:
+    """The trainers' one positional: an optional YAML config, then dotted overrides (`example` shows some);
+    `distributed`: the trainer has a `dist:` section, and takes `--nproc N`."""
+    if distributed:
+        parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                            help="run data-parallel in N processes on this machine (torchrun; set dist.strategy=ddp "
+                                 "or fsdp2, see docs/distributed.md)")
     parser.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="[CONFIG.yaml] [key=value ...]",
         help=f"an optional YAML config, then overrides such as {example}",
@@ -28,6 +39,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
 
 def run_logged(train: Callable[[Any], Path], config: Any) -> int:
     """Run an offline trainer with posttrain's INFO log lines on stderr, then print the run directory."""
+    if not is_main_process():  # under torchrun rank 0 speaks for the run
+        train(config)
+        return 0
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     package_logger = logging.getLogger("posttrain")

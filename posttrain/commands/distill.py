@@ -9,7 +9,7 @@ from posttrain.config import parse_cli_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, "data.path=pairs.jsonl --train.max_steps 20")
+    add_config_arguments(parser, "data.path=pairs.jsonl --train.max_steps 20", distributed=True)
 
 
 def run(args: argparse.Namespace) -> int:

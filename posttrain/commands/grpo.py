@@ -11,7 +11,7 @@ from posttrain.config import parse_cli_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, "algorithm=dapo optim.lr=2e-5")
+    add_config_arguments(parser, "algorithm=dapo optim.lr=2e-5", distributed=True)
 
 
 def run(args: argparse.Namespace) -> int:

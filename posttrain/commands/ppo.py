@@ -10,7 +10,7 @@ from posttrain.config import parse_cli_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, "ppo.lam=0.95 optim.lr=1e-5")
+    add_config_arguments(parser, "ppo.lam=0.95 optim.lr=1e-5", distributed=True)
 
 
 def run(args: argparse.Namespace) -> int:

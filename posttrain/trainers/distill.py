@@ -39,7 +39,9 @@ from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import PosttrainError
-from posttrain.metrics import MetricsLogger
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.dist.parallel import Parallel
 from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
@@ -51,6 +53,7 @@ from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
@@ -87,9 +90,15 @@ class DistillConfig:
     quant: str | None = None  # QLoRA: quantize the student's frozen base under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/distill-<timestamp>
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; see docs/distributed.md
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
+        check_dist_options(self.dist, self.lora, self.quant, None)
+        if self.dist.strategy != "none" and self.mode == "on_policy":
+            # A rank whose samples all come back empty would skip the forwards the other ranks run.
+            raise ValueError(f"mode=on_policy cannot run with dist.strategy={self.dist.strategy} yet; use "
+                             "mode=off_policy or dist.strategy=none")
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(DISTILL_LOSSES)})")
         if not 0.0 <= self.beta <= 1.0:
@@ -152,13 +161,17 @@ def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams)
 
 @torch.no_grad()
 def evaluate_divergence(student: Transformer, teacher: Transformer, rows: list[TokenizedRow], cfg: DistillConfig,
-                        pad_id: int) -> dict[str, float]:
+                        pad_id: int, parallel: Parallel | None = None) -> dict[str, float]:
+    """Token-mean divergence over `rows`; under torchrun every rank evaluates all of them (the same forwards)."""
     was_training = student.training
     student.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), cfg.train.batch_size):
         batch = collate(rows[start : start + cfg.train.batch_size], pad_id).to(student.device)
-        total += float(divergence_sum(student, teacher, batch, cfg.loss, cfg.loss_kwargs()))
+        if parallel is not None:
+            total += float(parallel.run(lambda m, b: divergence_sum(m, teacher, b, cfg.loss, cfg.loss_kwargs()), batch))
+        else:
+            total += float(divergence_sum(student, teacher, batch, cfg.loss, cfg.loss_kwargs()))
         count += batch.num_targets
     student.train(was_training)
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}
@@ -172,7 +185,8 @@ def train_distill(cfg: DistillConfig) -> Path:
     cfg.validate()
     cfg.teacher.validate()
     seed_everything(cfg.train.seed)
-    student, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant)
+    ctx, model_section = join_processes(cfg.dist, cfg.model)
+    student, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant)
     teacher, teacher_tok = load_model(cfg.teacher.name_or_path, dtype=cfg.teacher.dtype or student.dtype,
                                       device=student.device)
     check_shared_vocab(student, tokenizer, teacher, teacher_tok, cfg.model.name_or_path, cfg.teacher.name_or_path)
@@ -202,11 +216,16 @@ def train_distill(cfg: DistillConfig) -> Path:
     max_steps = train_cfg.max_steps or steps_for_epochs(units, train_cfg.epochs, per_step)
     start = open_run("distill", cfg)
     run_dir = start.run_dir
-    (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    if is_main():
+        (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n",
+                                                  encoding="utf-8")
     logger.info("distill (%s, %s): %d %s, %d held-out rows; %d steps of %d; run dir %s", cfg.loss, cfg.mode, units,
                 "prompts" if cfg.mode == "on_policy" else "rows", len(eval_rows), max_steps, per_step, run_dir)
 
     student.train()
+    # The teacher stays a whole frozen copy on every rank; the student is what the strategy spreads.
+    parallel = Parallel(student, cfg.dist, ctx)  # before the optimizer: FSDP2 replaces the Parameters by shards
+    parallel.check_divides("train.batch_size", train_cfg.batch_size)
     optimizer = build_optimizer(student, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
         optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
@@ -227,7 +246,7 @@ def train_distill(cfg: DistillConfig) -> Path:
 
     def next_rows() -> list[TokenizedRow]:
         if llm is None:
-            return next(row_stream)
+            return parallel.shard(next(row_stream))  # this rank's share of the global batch
         student.eval()
         sampled = sampled_rows(llm, next(prompt_stream), params)
         student.train()
@@ -235,13 +254,17 @@ def train_distill(cfg: DistillConfig) -> Path:
 
     def step_fn(step: int) -> dict[str, float]:
         batches = [collate(r, pad_id).to(student.device) for r in (next_rows() for _ in range(train_cfg.grad_accum)) if r]
-        targets = sum(b.num_targets for b in batches)
+        targets = int(all_reduce_count(sum(b.num_targets for b in batches), student.device))  # over every rank
         if not batches or targets == 0:
             logger.warning("distill: step %d has no completion tokens (every sample was empty); skipped", step + 1)
             optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
             return {"loss": 0.0, "tokens": 0, "loss_tokens": 0, "empty_step": 1}
-        out = accumulate_gradients(
-            batches, lambda b: (divergence_sum(student, teacher, b, cfg.loss, kwargs), {"tokens": b.num_tokens}), targets)
+        def loss_sum(b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            divergence = parallel.run(lambda m, batch: divergence_sum(m, teacher, batch, cfg.loss, kwargs), b)
+            return divergence, {"tokens": b.num_tokens}
+
+        out = accumulate_gradients(batches, loss_sum, targets, parallel)
+        out = reduce_metrics(out, {"loss", "tokens"}, student.device)  # the step's loss and tokens over every rank
         grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
         guard.record(step + 1, applied, out["loss"], grad_norm)
         if llm is not None:
@@ -250,21 +273,28 @@ def train_distill(cfg: DistillConfig) -> Path:
 
     # On-policy samples draw from torch's generator, which the checkpoint restores with the rest.
     checkpointer = Checkpointer("distill", run_dir, student, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints)
+                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints,
+                                parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
-    eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id)) if eval_rows else None
-    with MetricsLogger(run_dir) as metrics:
+    wrapped = parallel if parallel.wrapped is not None else None
+    eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id, wrapped)) if eval_rows else None
+    with main_metrics(run_dir) as metrics:
         if eval_fn is not None and start_step == 0:
             before = eval_fn()
-            metrics.log(0, before)
+            if metrics is not None:
+                metrics.log(0, before)
             logger.info("distill: held-out %s before training %.4f", cfg.loss, before["eval_loss"])
         last = run_steps(
             step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
             save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress, desc=f"distill[{cfg.loss}]",
+            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress and is_main(),
+            desc=f"distill[{cfg.loss}]",
         )
         if eval_fn is not None:
             logger.info("distill: held-out %s after training %.4f", cfg.loss, last["eval_loss"])
     student.eval()
-    save_final_dir(student, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    if parallel.wrapped is not None:
+        save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    else:
+        save_final_dir(student, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     return run_dir

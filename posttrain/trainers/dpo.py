@@ -49,7 +49,9 @@ from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.metrics import MetricsLogger
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.dist.parallel import Parallel
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig, disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
@@ -67,6 +69,7 @@ from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_r
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 from posttrain.trainers.unpaired_data import is_unpaired, load_unpaired
 
@@ -97,9 +100,15 @@ class DPOConfig:
     quant: str | None = None  # QLoRA: quantize the frozen base (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/dpo-<timestamp>
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; see docs/distributed.md
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
+        check_dist_options(self.dist, self.lora, self.quant, None)
+        if self.dist.strategy != "none" and self.loss == "kto":
+            # KTO's KL reference point is a mean over the whole batch: a rank sees only its share of it.
+            raise ValueError(f"loss=kto cannot run with dist.strategy={self.dist.strategy} (its KL reference point "
+                             "is a batch mean); use a pairwise loss or dist.strategy=none")
         if self.loss not in PREFERENCE_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(PREFERENCE_LOSSES)})")
         accepted = inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters
@@ -277,9 +286,21 @@ class DPORun:
 
     def __init__(self, cfg: DPOConfig, model: Transformer, train: list[PairRow], held: list[PairRow], pad_id: int) -> None:
         self.cfg, self.model, self.train, self.held, self.pad_id = cfg, model, train, held, pad_id
+        # Set by `distribute` once the reference logps are taken from the unwrapped initial weights.
+        self.parallel: Parallel | None = None
         kto_len = cfg.data.max_length if cfg.loss == "kto" else None
         self.reference = (Reference(cfg.reference, model, {"train": train, "eval": held}, cfg.train.batch_size,
                                     pad_id, kto_len) if cfg.uses_reference else None)
+
+    def distribute(self, parallel: Parallel) -> None:
+        """Run the policy's passes through `parallel` (DDP / FSDP2 hooks) from now on; each rank then takes its
+        share of every micro-batch's pairs."""
+        self.parallel = parallel
+
+    def _policy_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parallel is None:
+            return sequence_logps(self.model, batch)
+        return self.parallel.run(sequence_logps, batch)
 
     def _forward(self, split: str, idx: Sequence[int], grad: bool) -> tuple[
             torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, tuple | None]:
@@ -287,7 +308,7 @@ class DPORun:
         pairs = self.train if split == "train" else self.held
         batch = collate_pairs([pairs[i] for i in idx], self.pad_id).to(self.model.device)
         with torch.set_grad_enabled(grad):
-            policy, lengths = sequence_logps(self.model, batch)  # (2B,), (2B,)
+            policy, lengths = self._policy_logps(batch)  # (2B,), (2B,)
         ref = self.reference.logps(split, idx, batch) if self.reference is not None else None
         policy_kl = None
         if self.cfg.loss == "kto":
@@ -310,9 +331,16 @@ class DPORun:
             tokens += sum(len(self.train[i].chosen) + len(self.train[i].rejected) for i in idx)
             return loss * len(idx), {}
 
-        pairs = sum(len(m) for m in micro_batches)
-        out = accumulate_gradients(micro_batches, loss_sum, pairs)
-        return {"loss": out["loss"], **sums.means(), **_finish_nll(nll), "pairs": pairs, "tokens": tokens}
+        if self.parallel is not None:  # this rank's share of every micro-batch; the same count on every rank
+            micro_batches = [self.parallel.shard(m) for m in micro_batches]
+        # Normalised by the pairs of the step over every rank, so 2 ranks x B/2 pairs give the 1 x B gradient.
+        pairs = int(all_reduce_count(sum(len(m) for m in micro_batches), self.model.device))
+        out = accumulate_gradients(micro_batches, loss_sum, pairs, self.parallel)
+        # loss, token and NLL sums add up over the ranks; the pair-weighted means (rewards/*, ...) are over equal
+        # shares, so their mean over the ranks is the step's.
+        summed = {"loss", "tokens", *nll}
+        raw = reduce_metrics({"loss": out["loss"], **sums.means(), **nll, "tokens": tokens}, summed, self.model.device)
+        return {**_finish_nll(raw), "pairs": pairs}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -357,8 +385,9 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     cfg.validate()
     unpaired = is_unpaired(cfg.data, cfg.loss)  # KTO's prompt/completion/label rows; other losses stop here
     seed_everything(cfg.train.seed)
+    ctx, model_section = join_processes(cfg.dist, cfg.model)
     if model is None:
-        model, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant)
+        model, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant)
     elif tokenizer is None:
         raise ValueError("train_dpo: a model passed as a module needs its tokenizer")
     else:
@@ -377,7 +406,8 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
     start = open_run("dpo", cfg)
     run_dir = start.run_dir
-    _write_report(run_dir, data.report)
+    if is_main():
+        _write_report(run_dir, data.report)
     unit = "rows" if unpaired else "pairs"
     logger.info("dpo (%s, reference %s): %d train / %d held-out %s of %s (%d bad, skipped); %d steps of %d %s; run dir %s",
                 cfg.loss, cfg.reference if cfg.uses_reference else "none", len(data.train), len(data.eval), unit,
@@ -390,6 +420,12 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         run: Any = KTORun(cfg, model, data, pad_id)
     else:
         run = DPORun(cfg, model, data.train, data.eval, pad_id)
+    # After the reference took the initial weights (a precomputed table or a plain frozen copy on every rank),
+    # before the optimizer: FSDP2 replaces the Parameters by their shards.
+    parallel = Parallel(model, cfg.dist, ctx)
+    if parallel.wrapped is not None:
+        parallel.check_divides("train.batch_size", train_cfg.batch_size)
+        run.distribute(parallel)
     optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
         optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
@@ -409,22 +445,28 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
 
     # Built after the reference took the initial weights: a restore then changes only the policy.
     checkpointer = Checkpointer("dpo", run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints)
+                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints,
+                                parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = run.evaluate if data.eval else None
-    with MetricsLogger(run_dir) as metrics:
+    with main_metrics(run_dir) as metrics:
         if eval_fn is not None and start_step == 0:
-            before = eval_fn()
-            metrics.log(0, before)
+            before = eval_fn()  # every rank evaluates all held-out pairs: the same forwards, the same figures
+            if metrics is not None:
+                metrics.log(0, before)
             logger.info("dpo: held-out before training: %s (%d %s)", _held_out_summary(before), len(data.eval), unit)
         last = run_steps(
             step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
             save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress, desc=f"dpo[{cfg.loss}]",
+            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress and is_main(),
+            desc=f"dpo[{cfg.loss}]",
             postfix={"acc": "rewards/accuracies", "margin": "rewards/margins"},
         )
         if eval_fn is not None:
             logger.info("dpo: held-out after training: %s", _held_out_summary(last))
     model.eval()
-    save_final_dir(model, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    if parallel.wrapped is not None:
+        save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    else:
+        save_final_dir(model, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     return run_dir

@@ -54,7 +54,13 @@ def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
     if not grads:
         return 0.0
     limit = math.inf if max_norm is None else max_norm
-    return float(torch.nn.utils.clip_grad_norm_(grads, limit, foreach=True))
+    total = torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0, foreach=True)
+    if hasattr(total, "full_tensor"):
+        # FSDP2: the gradients are DTensor shards, their norm a partial one; full_tensor() all-reduces it
+        # into the norm of the whole gradient, the same on every rank, so every rank clips alike.
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(grads, limit, total, foreach=True)
+    return float(total)
 
 
 def optimizer_step(

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, masked_whiten
+from posttrain.dist.env import all_reduce_sum
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -67,6 +68,21 @@ def ppo_advantages(
     if whiten:
         advantages = masked_whiten(advantages, mask)
     return advantages, returns
+
+
+@torch.no_grad()
+def whiten_over_ranks(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """`masked_whiten` with the mean and the (unbiased) variance taken over every rank's masked entries, so a
+    data-parallel batch is whitened as the whole batch would be in one process. values, mask (B, L)."""
+    mask = mask.float()
+    sums = all_reduce_sum(torch.stack([(values.double() * mask).sum(), mask.double().sum()]))  # (2,): sum, count
+    total, count = float(sums[0]), float(sums[1])
+    if count < 2:
+        return torch.zeros_like(values)
+    centered = values - total / count
+    var = float(all_reduce_sum((centered.double() ** 2 * mask).sum())) / (count - 1)
+    whitened = centered * (var + eps) ** -0.5
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
 def save_value_head(head: ValueHead, directory: str | Path) -> Path:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.dist.env import broadcast_object, is_main
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.metrics import METRICS_FILE
 from posttrain.run_dir import CONFIG_FILE, make_run_dir
@@ -46,7 +47,14 @@ class RunStart:
 def open_run(command: str, cfg: Any) -> RunStart:
     """Create or reopen the run directory for a config with `out` and `resume` fields, and find the
     checkpoint to resume from. `config.yaml` is written without `resume`: it describes the run, not how
-    this process was started, so resuming with an unchanged config keeps it as it is."""
+    this process was started, so resuming with an unchanged config keeps it as it is.
+
+    Under torchrun rank 0 decides (and writes) and the other ranks receive its answer, so every rank uses
+    the same directory (a default one is named after rank 0's clock) and the same checkpoint."""
+    return broadcast_object(_open_run(command, cfg) if is_main() else None)
+
+
+def _open_run(command: str, cfg: Any) -> RunStart:
     saved = dataclasses.replace(cfg, resume=None)
     if cfg.resume is None:
         return RunStart(make_run_dir(command, cfg.out, saved), None)

@@ -33,7 +33,9 @@ from posttrain.data.config import DataConfig
 from posttrain.data.formats import Preference
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError, RowError
-from posttrain.metrics import MetricsLogger
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import all_reduce_count, barrier, is_main, reduce_metrics
+from posttrain.dist.parallel import Parallel
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import encode_for_scoring, save_score_head
@@ -46,6 +48,7 @@ from posttrain.trainers.preference_data import PairRow, load_pairs
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.distributed import join_processes, main_metrics
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
@@ -62,9 +65,13 @@ class RMConfig:
     quant: str | None = None  # QLoRA: quantize the frozen trunk (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/rm-<timestamp>
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism (ddp); docs/distributed.md
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
+        if self.dist.strategy == "fsdp2":
+            raise ValueError("dist.strategy=fsdp2 is not available for reward models yet (the score head trains "
+                             "beside the sharded trunk); use dist.strategy=ddp")
         if self.center_rewards_coefficient < 0:
             raise ValueError(f"center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
@@ -107,10 +114,16 @@ def tokenize_pair_for_scoring(tokenizer: Any, example: Preference, cfg: DataConf
     return PairRow(*rows)
 
 
-def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen scores (B,), rejected scores (B,)) from one forward over the 2B sequences."""
+def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int,
+                parallel: Parallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen scores (B,), rejected scores (B,)) from one forward over the 2B sequences (through `parallel`'s
+    DDP hooks when given)."""
     batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id).to(rm.trunk.device)
-    scores = rm(batch.input_ids, batch.attention_mask.sum(1))  # (2B,)
+    lengths = batch.attention_mask.sum(1)  # (2B,)
+    if parallel is None:
+        scores = rm(batch.input_ids, lengths)  # (2B,)
+    else:
+        scores = parallel.run(lambda _trunk, ids, n: rm(ids, n), batch.input_ids, lengths)
     return scores[: len(pairs)], scores[len(pairs):]
 
 
@@ -135,7 +148,8 @@ def train_reward_model(cfg: RMConfig) -> Path:
     """Train a reward model on `cfg.data` pairs; returns the run dir, whose `final/` is a reward-model directory."""
     cfg.validate()
     seed_everything(cfg.train.seed)
-    trunk, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant)
+    ctx, model_section = join_processes(cfg.dist, cfg.model)
+    trunk, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
@@ -145,9 +159,15 @@ def train_reward_model(cfg: RMConfig) -> Path:
     train_cfg, optim_cfg = cfg.train, cfg.optim
     per_step = train_cfg.batch_size * train_cfg.grad_accum
     max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
+    # The head's gradients are reduced with the trunk's; the trunk's LM head (untied) never gets one.
+    tied = trunk.lm_head.weight is trunk.embed_tokens.weight
+    parallel = Parallel(trunk, cfg.dist, ctx, beside={"head": rm.head}, unused_parameters=not tied)
+    parallel.check_divides("train.batch_size", cfg.train.batch_size)
     start = open_run("rm", cfg)
     run_dir = start.run_dir
-    (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    if is_main():
+        (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=1, ensure_ascii=False) + "\n",
+                                                  encoding="utf-8")
     logger.info("rm: %d train / %d held-out pairs of %s; %d steps of %d pairs; run dir %s",
                 len(data.train), len(data.eval), data.report["format"], max_steps, per_step, run_dir)
 
@@ -160,15 +180,16 @@ def train_reward_model(cfg: RMConfig) -> Path:
     guard = BadStepGuard(train_cfg.max_bad_steps)
 
     def loss_sum(pairs: list[PairRow]) -> tuple[torch.Tensor, dict[str, float]]:
-        chosen, rejected = pair_scores(rm, pairs, pad_id)
+        chosen, rejected = pair_scores(rm, pairs, pad_id, parallel if parallel.wrapped is not None else None)
         loss, metrics = bradley_terry_loss(chosen, rejected, center_coefficient=cfg.center_rewards_coefficient)
         tokens = sum(len(p.chosen) + len(p.rejected) for p in pairs)
         return loss * len(pairs), {**{k: float(v) * len(pairs) for k, v in metrics.items()}, "tokens": tokens}
 
     def step_fn(step: int) -> dict[str, float]:
-        micro = [next(stream) for _ in range(train_cfg.grad_accum)]
-        pairs = sum(len(m) for m in micro)
-        out = accumulate_gradients(micro, loss_sum, pairs)
+        micro = [parallel.shard(next(stream)) for _ in range(train_cfg.grad_accum)]  # this rank's pairs
+        pairs = int(all_reduce_count(sum(len(m) for m in micro), trunk.device))  # over every rank
+        out = accumulate_gradients(micro, loss_sum, pairs, parallel)
+        out = reduce_metrics(out, set(out), trunk.device)  # every entry is a sum over this rank's pairs
         grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
         guard.record(step + 1, applied, out["loss"], grad_norm)
         means = {k: v / pairs for k, v in out.items() if k not in ("loss", "tokens")}
@@ -179,20 +200,25 @@ def train_reward_model(cfg: RMConfig) -> Path:
     # modules.safetensors, which the resume reads.
     checkpointer = Checkpointer("rm", run_dir, trunk, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
                                 modules={"head": rm.head}, state={"data": stream, "faults": guard},
-                                keep_last=train_cfg.keep_checkpoints, write_extras=lambda d: save_score_head(rm.head, d))
+                                keep_last=train_cfg.keep_checkpoints, write_extras=lambda d: save_score_head(rm.head, d),
+                                parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id)) if data.eval else None
-    with MetricsLogger(run_dir) as metrics:
+    with main_metrics(run_dir) as metrics:
         if eval_fn is not None and start_step == 0:
-            before = eval_fn()
-            metrics.log(0, before)
+            before = eval_fn()  # every rank scores all held-out pairs: the same figures everywhere
+            if metrics is not None:
+                metrics.log(0, before)
             logger.info("rm: held-out accuracy before training %.3f (%d pairs)", before["eval_accuracy"], len(data.eval))
         last = run_steps(step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
                          save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-                         save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress, desc="rm")
+                         save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress and is_main(),
+                         desc="rm")
         if eval_fn is not None:
             logger.info("rm: held-out accuracy after training %.3f", last["eval_accuracy"])
     rm.eval()
-    final = save_final_dir(trunk, tokenizer, run_dir, base_model=cfg.model.name_or_path)
-    save_score_head(rm.head, final)
+    if is_main():  # ddp: every rank holds the same trunk and head
+        final = save_final_dir(trunk, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+        save_score_head(rm.head, final)
+    barrier()
     return run_dir

@@ -41,13 +41,15 @@ from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, masked_mean, value_loss
 from posttrain.engine import LLM, EngineConfig, SamplingParams
-from posttrain.errors import PosttrainError
+from posttrain.dist.env import all_reduce_count, broadcast_object, is_main, reduce_metrics
+from posttrain.dist.parallel import Parallel
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.models.moe import router_loss_and_metrics
 from posttrain.rewards import RewardSpec
 from posttrain.trainers.adapters import has_adapters, prepare_trainable, save_final_dir
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.ppo import ValueHead, ppo_advantages, save_value_head
+from posttrain.trainers.ppo import ValueHead, ppo_advantages, save_value_head, whiten_over_ranks
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups, packed_forward
 from posttrain.trainers.rl_config import (
     GRPOConfig,
@@ -55,10 +57,11 @@ from posttrain.trainers.rl_config import (
     ResolvedAlgorithm,
     RLConfig,
     batch_sizes,
+    rank_batch_sizes,
     resolve_algorithm,
     validate_tree,
 )
-from posttrain.trainers.rl_metrics import StepTimer, WeightedMeans, headline, nan_stats, peak_memory_gb, progress_bar
+from posttrain.trainers.rl_metrics import StepTimer, WeightedMeans, batch_metrics, headline, peak_memory_gb, progress_bar
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
@@ -72,10 +75,14 @@ from posttrain.trainers.rollout import (
     evaluate,
     load_reward_specs,
     make_prompt_source,
+    prompt_seed_base,
 )
+from posttrain.trainers.distributed import join_processes, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+# Under torchrun: metrics that are each rank's part of a total (the others are averaged over the ranks).
+SUMMED_METRICS = frozenset({"num_samples", "reward/unscorable", "tokens/rollout_per_s", "tokens/train_per_s"})
 
 
 @dataclass
@@ -96,7 +103,7 @@ class RLRun:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     trainable: list[nn.Parameter]
-    logger: MetricsLogger
+    logger: MetricsLogger | None  # None on torchrun ranks other than 0
     value_head: ValueHead | None = None
     reference: nn.Module | None = None  # a frozen copy; None with beta == 0 or with LoRA (base = adapters off)
     optimizer_steps: int = 0
@@ -104,6 +111,7 @@ class RLRun:
     guard: BadStepGuard | None = None  # counts skipped (non-finite) updates; set by setup_run
     checkpointer: Checkpointer | None = None  # set by setup_run
     start_step: int = 0  # RL steps already done: > 0 when resumed from a checkpoint
+    parallel: Parallel | None = None  # set by setup_run: the policy as torchrun's ranks share it
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +144,8 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     load the model, build the engine over it, the optimizer and the run directory."""
     validate_tree(cfg)
     algo = resolve_algorithm(cfg)
+    dist_section = cfg.dist
+    ctx, model_section = join_processes(dist_section, cfg.model)
     source = make_prompt_source(cfg.data)
     columns = data_columns(source)
     specs = load_reward_specs(cfg.reward, cfg.data, source, columns)
@@ -147,18 +157,27 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if model is None:
         from posttrain.models.hub import load_model
 
-        model, tokenizer = load_model(cfg.model.name_or_path, dtype=cfg.model.dtype, device=cfg.model.device)
+        model, tokenizer = load_model(model_section.name_or_path, dtype=model_section.dtype, device=model_section.device)
     check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
-    torch.manual_seed(cfg.train.seed)
+    # Each rank's unseeded rollouts draw from their own stream (rank 0's is the single-process one).
+    torch.manual_seed(cfg.train.seed + ctx.rank)
     prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)  # adapters (over a quantized base with quant)
     reference = None
     if cfg.kl.beta > 0 and not has_adapters(model):
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        reference = copy.deepcopy(model).eval().requires_grad_(False)  # a whole frozen copy on every rank
+    value_head = None
+    if algo.uses_value_head:  # PPO's critic on the policy trunk; DDP reduces its gradients with the trunk's
+        value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
+    beside = {"value_head": value_head} if value_head is not None else None
+    # Before the optimizer: FSDP2 replaces the Parameters by shards.
+    parallel = Parallel(model, dist_section, ctx, beside=beside)
+    try:
+        rank_batch_sizes(cfg, parallel.world)  # every rank the same whole groups, minibatches and micro-batches
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     optim = cfg.optim
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
-    value_head = None
-    if algo.uses_value_head:  # its own group: a fresh head learns at its own (higher) rate
-        value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
+    if value_head is not None:  # its own group: a fresh head learns at its own (higher) rate
         optimizer.add_param_group({"params": list(value_head.parameters()),
                                    "lr": cfg.ppo.value_lr or optim.lr * 100, "weight_decay": 0.0})
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
@@ -167,7 +186,8 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     scheduler = build_scheduler(optimizer, total_steps=total, schedule=optim.schedule,
                                 warmup_steps=warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
                                 min_lr_ratio=optim.min_lr_ratio)
-    llm = LLM(model=model, tokenizer=tokenizer, config=_engine_config(cfg))
+    with parallel.full_weights():
+        llm = LLM(model=model, tokenizer=tokenizer, config=_engine_config(cfg))
     params = SamplingParams(
         n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens, logprobs=True,
@@ -175,10 +195,10 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     overlong = None
     if algo.overlong_penalty:
         overlong = OverlongShaping(cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard) if is_main() else None
     run = RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
                 optimizer, scheduler, trainable, logger, value_head, reference,
-                guard=BadStepGuard(cfg.train.max_bad_steps))
+                guard=BadStepGuard(cfg.train.max_bad_steps), parallel=parallel)
     # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
     # copy was taken above from the initial weights, before any restore.
     run.checkpointer = Checkpointer(
@@ -187,10 +207,19 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         state={"prompts": source, "faults": run.guard, "counters": _Counters(run)},
         keep_last=cfg.train.keep_checkpoints,
         write_extras=(lambda d: save_value_head(value_head, d)) if value_head is not None else None,
+        parallel=parallel,
     )
     if start.checkpoint is not None:
         run.start_step = run.checkpointer.restore(start.checkpoint)
     return run
+
+
+def _policy_forward(run: RLRun, module: nn.Module, pack: PackedGroups, **kwargs: Any) -> Any:
+    """packed_forward of `module`; the policy goes through its DDP / FSDP2 wrapper, a frozen copy does not."""
+    temperature = run.cfg.rollout.temperature
+    if module is run.model and run.parallel is not None:
+        return run.parallel.run(lambda m, p: packed_forward(m, p, temperature, **kwargs), pack)
+    return packed_forward(module, pack, temperature, **kwargs)
 
 
 class _Counters:
@@ -232,7 +261,8 @@ def _pad(rows: list[list[float]], width: int, device: torch.device) -> Tensor:
 
 def _prepare(run: RLRun, batch: RolloutBatch) -> _Batch:
     G = batch.group_size
-    micro = batch_sizes(run.cfg)[2] // G  # groups per micro-batch
+    world = run.parallel.world if run.parallel is not None else 1
+    micro = rank_batch_sizes(run.cfg, world)[2] // G  # groups per micro-batch
     groups = batch.group_completions()
     packs, slices = [], []
     for g0 in range(0, batch.num_groups, micro):
@@ -259,8 +289,7 @@ def _scoring_pass(run: RLRun, data: _Batch, module: nn.Module, with_values: bool
         context = disable_adapters(module)
     with context:
         for pack, rows in zip(data.packs, data.slices):
-            out = packed_forward(module, pack, run.cfg.rollout.temperature,
-                                 value_head=run.value_head if with_values else None)
+            out = _policy_forward(run, module, pack, value_head=run.value_head if with_values else None)
             logprobs[rows, : pack.max_len] = out.logprobs
             if values is not None:
                 values[rows, : pack.max_len] = out.values
@@ -287,8 +316,12 @@ def _advantages(run: RLRun, data: _Batch, behaviour: Tensor, ref: Tensor | None,
                                                        kl_coef=cfg.kl.beta)
         return adv, None, metrics
     ppo = cfg.ppo
+    world = run.parallel.world if run.parallel is not None else 1
     adv, returns = ppo_advantages(rewards, values, loss_mask, gamma=ppo.gamma, lam=ppo.lam,
-                                  whiten=ppo.whiten_advantages, per_token_kl=kl_tokens, kl_coef=cfg.kl.beta)
+                                  whiten=ppo.whiten_advantages and world == 1, per_token_kl=kl_tokens,
+                                  kl_coef=cfg.kl.beta)
+    if ppo.whiten_advantages and world > 1:  # whitened over the whole batch, every rank's samples
+        adv = whiten_over_ranks(adv, loss_mask)
     metrics["value/returns_mean"] = float(masked_mean(returns, loss_mask))
     return adv, returns, metrics
 
@@ -308,8 +341,11 @@ def _update(run: RLRun, step: int, data: _Batch, adv: Tensor, old: Tensor | None
             timer: StepTimer) -> tuple[dict[str, float], int]:
     """Epochs x minibatches of optimizer steps; returns the metrics and the tokens processed."""
     cfg, algo = run.cfg, run.algo
-    _, minibatch, micro = batch_sizes(cfg)
-    per_minibatch = max(minibatch // micro, 1)
+    parallel = run.parallel
+    world = parallel.world if parallel is not None else 1
+    _, minibatch, micro = rank_batch_sizes(cfg, world)  # this rank's share
+    per_minibatch = max(minibatch // micro, 1)  # this rank's micro-batches of each minibatch
+    scale = parallel.loss_scale if parallel is not None else 1.0
     policy_loss = POLICY_LOSSES[algo.policy_loss]
     aggregate = AGGREGATIONS[algo.aggregation]
     means = WeightedMeans()
@@ -326,64 +362,70 @@ def _update(run: RLRun, step: int, data: _Batch, adv: Tensor, old: Tensor | None
             totals = {"tokens": float(sum(m.sum() for m in masks)),
                       "seqs": float(sum((m.sum(1) > 0).sum() for m in masks)),
                       "rows": float(sum(m.shape[0] for m in masks))}
+            # The minibatch is every rank's micro-batches: its normalisers are counted over all of them.
+            totals = reduce_metrics(totals, set(totals), run.device)
             run.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0  # the sum of the micro-batch losses: the minibatch's loss
-            for m, mask in zip(chosen, masks):
-                pack, rows = data.packs[m], data.slices[m]
-                Lm = pack.max_len
-                out = packed_forward(run.model, pack, cfg.rollout.temperature, with_entropy=True,
-                                     entropy_grad=cfg.loss.entropy_coef > 0, value_head=run.value_head)
-                logprobs = out.logprobs  # (b, Lm)
-                old_m = old[rows, :Lm] if old is not None else logprobs.detach()
-                adv_m = adv[rows] if adv.dim() == 1 else adv[rows, :Lm]
-                per_token, metrics = policy_loss(logprobs, old_m, adv_m, mask, **algo.loss_kwargs)
-                rollout_m = data.rollout_logprobs[rows, :Lm]
-                if first_update:
-                    diff = (logprobs.detach() - rollout_m).abs() * mask
-                    metrics["mismatch/abs_diff_mean"] = masked_mean(diff, mask)
-                    metrics["mismatch/abs_diff_max"] = diff.max()
-                if cfg.train.tis_cap is not None:
-                    weight = torch.exp(old_m - rollout_m).clamp(max=cfg.train.tis_cap).detach()  # (b, Lm)
-                    per_token = per_token * weight
-                    metrics["tis/weight_mean"] = masked_mean(weight, mask)
-                if ref is not None:
-                    kl = KL_ESTIMATORS[cfg.kl.estimator](logprobs, ref[rows, :Lm])  # (b, Lm)
-                    metrics["kl"] = masked_mean(kl.detach(), mask)
-                    if not cfg.kl.in_reward:
-                        per_token = per_token + cfg.kl.beta * kl
-                if cfg.loss.entropy_coef > 0:
-                    per_token = per_token - cfg.loss.entropy_coef * out.entropy
-                metrics["entropy"] = masked_mean(out.entropy.detach(), mask)
-                loss = aggregate(per_token, mask, max_len=cfg.rollout.max_tokens) * _share(algo.aggregation, mask, totals)
-                metrics["loss/policy"] = loss.detach()
-                if run.value_head is not None:
-                    v_loss, v_metrics = value_loss(out.values, old_values[rows, :Lm], returns[rows, :Lm], mask,
-                                                   clip_eps=cfg.ppo.value_clip)
-                    v_loss = AGGREGATIONS["token-mean"](v_loss, mask) * _share("token-mean", mask, totals)
-                    loss = loss + cfg.ppo.vf_coef * v_loss
-                    metrics.update(v_metrics)
-                    metrics["loss/value"] = v_loss.detach()
-                    metrics["value/mean"] = masked_mean(out.values.detach(), mask)
-                # Mixture-of-experts models: + the router's load-balancing loss (a token mean), router/* metrics.
-                # Real tokens of a packed row are those that see its first (prompt) token; padding sees itself only.
-                router_loss, router_metrics = router_loss_and_metrics(run.model, pack.mask[:, 0, :, 0])
-                if router_loss is not None:
-                    loss = loss + router_loss * _share("token-mean", mask, totals)
-                metrics.update(router_metrics)
-                loss.backward()
-                minibatch_loss += float(loss.detach())
-                tokens += pack.num_input_tokens
-                share = float(mask.sum())
-                for key in ("loss/policy", "loss/value"):  # minibatch sums, not means: undo the weighting
-                    if key in metrics:
-                        metrics[key] = metrics[key] * max(totals["tokens"], 1.0) / max(share, 1.0)
-                means.add(metrics, share)
+            for index, (m, mask) in enumerate(zip(chosen, masks)):
+                with parallel.grad_sync(index == len(chosen) - 1) if parallel is not None else nullcontext():
+                    pack, rows = data.packs[m], data.slices[m]
+                    Lm = pack.max_len
+                    out = _policy_forward(run, run.model, pack, with_entropy=True,
+                                          entropy_grad=cfg.loss.entropy_coef > 0, value_head=run.value_head)
+                    logprobs = out.logprobs  # (b, Lm)
+                    old_m = old[rows, :Lm] if old is not None else logprobs.detach()
+                    adv_m = adv[rows] if adv.dim() == 1 else adv[rows, :Lm]
+                    per_token, metrics = policy_loss(logprobs, old_m, adv_m, mask, **algo.loss_kwargs)
+                    rollout_m = data.rollout_logprobs[rows, :Lm]
+                    if first_update:
+                        diff = (logprobs.detach() - rollout_m).abs() * mask
+                        metrics["mismatch/abs_diff_mean"] = masked_mean(diff, mask)
+                        metrics["mismatch/abs_diff_max"] = diff.max()
+                    if cfg.train.tis_cap is not None:
+                        weight = torch.exp(old_m - rollout_m).clamp(max=cfg.train.tis_cap).detach()  # (b, Lm)
+                        per_token = per_token * weight
+                        metrics["tis/weight_mean"] = masked_mean(weight, mask)
+                    if ref is not None:
+                        kl = KL_ESTIMATORS[cfg.kl.estimator](logprobs, ref[rows, :Lm])  # (b, Lm)
+                        metrics["kl"] = masked_mean(kl.detach(), mask)
+                        if not cfg.kl.in_reward:
+                            per_token = per_token + cfg.kl.beta * kl
+                    if cfg.loss.entropy_coef > 0:
+                        per_token = per_token - cfg.loss.entropy_coef * out.entropy
+                    metrics["entropy"] = masked_mean(out.entropy.detach(), mask)
+                    loss = aggregate(per_token, mask, max_len=cfg.rollout.max_tokens) * _share(algo.aggregation, mask, totals)
+                    metrics["loss/policy"] = loss.detach()
+                    if run.value_head is not None:
+                        v_loss, v_metrics = value_loss(out.values, old_values[rows, :Lm], returns[rows, :Lm], mask,
+                                                       clip_eps=cfg.ppo.value_clip)
+                        v_loss = AGGREGATIONS["token-mean"](v_loss, mask) * _share("token-mean", mask, totals)
+                        loss = loss + cfg.ppo.vf_coef * v_loss
+                        metrics.update(v_metrics)
+                        metrics["loss/value"] = v_loss.detach()
+                        metrics["value/mean"] = masked_mean(out.values.detach(), mask)
+                    # Mixture-of-experts models: + the router's load-balancing loss (a token mean), router/* metrics.
+                    # Real tokens of a packed row are those that see its first (prompt) token; padding sees itself only.
+                    router_loss, router_metrics = router_loss_and_metrics(run.model, pack.mask[:, 0, :, 0])
+                    if router_loss is not None:
+                        loss = loss + router_loss * _share("token-mean", mask, totals)
+                    metrics.update(router_metrics)
+                    (loss * scale if scale != 1.0 else loss).backward()  # scale: see posttrain.dist.parallel
+                    minibatch_loss += float(loss.detach())
+                    tokens += pack.num_input_tokens
+                    share = float(mask.sum())
+                    for key in ("loss/policy", "loss/value"):  # minibatch sums, not means: undo the weighting
+                        if key in metrics:
+                            metrics[key] = metrics[key] * max(totals["tokens"], 1.0) / max(share, 1.0)
+                    means.add(metrics, share)
+            if world > 1:  # each rank holds its part of the globally-normalised minibatch loss
+                minibatch_loss = all_reduce_count(minibatch_loss, run.device)
             lr = run.scheduler.get_last_lr()[0]
             grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
                                                 loss=minibatch_loss)
             if run.guard is not None:
                 run.guard.record(step, applied, minibatch_loss, grad_norm)
-            means.add({"grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not applied)}, 1.0)
+            means.add({"loss": minibatch_loss, "grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not applied)},
+                      1.0)
             run.optimizer_steps += 1
             run.llm.weights_updated()  # the engine's next rollout runs on the new weights
             first_update = False
@@ -392,6 +434,7 @@ def _update(run: RLRun, step: int, data: _Batch, adv: Tensor, old: Tensor | None
 
 
 def _needs_old_pass(run: RLRun, num_samples: int) -> bool:
+    """`num_samples`: the step's samples over every rank."""
     cfg = run.cfg
     _, minibatch, _ = batch_sizes(cfg)
     single_update = cfg.train.epochs == 1 and num_samples <= minibatch
@@ -407,10 +450,16 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     cfg = run.cfg
     timer = StepTimer()
     step_start, cpu_start = time.perf_counter(), time.process_time()
-    batch, stats = collect_rollout(
-        run.llm, run.source, cfg.rollout.prompts_per_step, run.params, run.specs, run.overlong,
-        run.algo.dynamic_sampling, cfg.dapo.max_refill_rounds,
-    )
+    parallel = run.parallel
+    sharded = parallel is not None and parallel.wrapped is not None
+    world = parallel.world if parallel is not None else 1
+    with parallel.full_weights() if parallel is not None else nullcontext():  # FSDP2: the engine needs whole weights
+        batch, stats = collect_rollout(
+            run.llm, run.source, cfg.rollout.prompts_per_step, run.params, run.specs, run.overlong,
+            run.algo.dynamic_sampling, cfg.dapo.max_refill_rounds,
+            shard=parallel.shard if sharded else None,
+            seed_base=prompt_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
+        )
     timer.seconds["rollout"] = stats.rollout_s
     timer.seconds["reward"] = stats.reward_s
     metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
@@ -422,7 +471,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     if batch is None:  # dynamic sampling left no group with a learning signal
         metrics.update({"skipped": 1, "time/step_s": time.perf_counter() - step_start, **timer.metrics()})
         return metrics
-    metrics.update(_batch_metrics(batch))
+    metrics.update(batch_metrics(batch))
     data = _prepare(run, batch)
     ref = values = old = None
     if run.uses_reference:
@@ -431,7 +480,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
                 ref, _ = _scoring_pass(run, data, run.reference, with_values=False)
             else:
                 ref, _ = _scoring_pass(run, data, run.model, with_values=False, base_only=True)
-    if _needs_old_pass(run, batch.num_samples):
+    if _needs_old_pass(run, batch.num_samples * world):
         with timer("old_pass"):
             old, values = _scoring_pass(run, data, run.model, with_values=run.value_head is not None)
     if cfg.train.old_logprobs == "rollout":
@@ -456,25 +505,9 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     metrics["time/step_cpu_s"] = time.process_time() - cpu_start
     metrics.update(timer.metrics())
     metrics.update(peak_memory_gb(run.device))
+    if sharded:  # counts and throughputs add up over the ranks; means (over equal shares) average
+        metrics = reduce_metrics(metrics, SUMMED_METRICS, run.device)
     return metrics
-
-
-def _batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
-    lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-    out: dict[str, Any] = {}
-    out.update(nan_stats(batch.rewards, "reward"))
-    if batch.task_rewards is not None and not torch.equal(batch.task_rewards.nan_to_num(-7), batch.rewards.nan_to_num(-7)):
-        out.update(nan_stats(batch.task_rewards, "reward/task"))
-    for name, values in batch.per_function.items():
-        out.update(nan_stats(values, f"reward/{name}"))
-    out["reward/unscorable"] = int(torch.isnan(batch.rewards).sum())
-    out["response_len/mean"] = float(lengths.mean())
-    out["response_len/max"] = float(lengths.max())
-    out["response_len/clipped_frac"] = sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons)
-    out["num_samples"] = batch.num_samples
-    if batch.reward_errors:
-        out["reward/error"] = batch.reward_errors[0][:200]
-    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -485,8 +518,13 @@ def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
         return {}
     start = time.perf_counter()
     max_tokens = run.cfg.eval.max_tokens or run.cfg.rollout.max_tokens
-    metrics, samples = evaluate(run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold)
+    # Under torchrun every rank evaluates every held-out prompt (greedy: the same answers everywhere), so the
+    # ranks stay in step with no reduction; rank 0 writes.
+    with run.parallel.full_weights() if run.parallel is not None else nullcontext():
+        metrics, samples = evaluate(run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold)
     metrics["time/eval_s"] = time.perf_counter() - start
+    if not is_main():
+        return metrics
     with open(run.run_dir / f"eval-step{step:05d}.jsonl", "w", encoding="utf-8") as f:
         for sample in samples:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
@@ -497,6 +535,11 @@ def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
 
 def _save_final(run: RLRun) -> Path:
     # The PEFT adapter with LoRA / QLoRA, else an HF directory; the value head goes beside either.
+    if run.parallel is not None and run.parallel.wrapped is not None:
+        out = save_final_parallel(run.parallel, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
+        if run.value_head is not None and is_main():  # ddp: the same head on every rank
+            save_value_head(run.value_head, out)
+        return out
     out = save_final_dir(run.model, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
     if run.value_head is not None:
         save_value_head(run.value_head, out)
@@ -508,7 +551,7 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
     started = time.perf_counter()
     run = setup_run(cfg, command, model=model, tokenizer=tokenizer)
     budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes is not None else math.inf
-    bar = progress_bar(cfg.train.max_steps, cfg.log.progress, f"{command} ({run.algo.name})")
+    bar = progress_bar(cfg.train.max_steps, cfg.log.progress and is_main(), f"{command} ({run.algo.name})")
     bar.update(run.start_step)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
     try:
@@ -516,14 +559,16 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
         if cfg.eval.before and run.held_out and run.start_step == 0:
             before = _evaluate(run, 0, bar)
             eval_s = before["time/eval_s"]
-            run.logger.log(0, before)
+            if run.logger is not None:
+                run.logger.log(0, before)
             summary["accuracy_before"] = before["eval/accuracy"]
         step_times: list[float] = []
         step = run.start_step
         for step in range(run.start_step + 1, cfg.train.max_steps + 1):
             elapsed = time.perf_counter() - started
             next_step = max(step_times[-3:]) if step_times else 0.0
-            if elapsed + next_step + eval_s * 1.2 + 10 > budget_s:  # the step, the final eval and the save fit
+            # the step, the final eval and the save fit; rank 0's clock decides for every rank
+            if broadcast_object(elapsed + next_step + eval_s * 1.2 + 10 > budget_s):
                 bar.write(f"time budget of {cfg.train.max_minutes} min reached after {step - 1} steps")
                 step -= 1
                 break
@@ -532,7 +577,8 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
                 metrics.update(_evaluate(run, step, bar))
             metrics["time/elapsed_min"] = (time.perf_counter() - started) / 60
-            run.logger.log(step, metrics)
+            if run.logger is not None:
+                run.logger.log(step, metrics)
             run.history.append(metrics)
             bar.set_postfix_str(headline(metrics), refresh=False)
             bar.update(1)
@@ -541,16 +587,19 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
         summary["steps"] = step
         if run.held_out:
             after = _evaluate(run, step, bar)
-            run.logger.log(step, after)
+            if run.logger is not None:
+                run.logger.log(step, after)
             summary["accuracy_after"] = after["eval/accuracy"]
         if cfg.save_final:
             summary["final"] = str(_save_final(run))
         summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
-        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        if is_main():
+            (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     finally:
         bar.close()
-        run.logger.close()
-    if "accuracy_after" in summary:
+        if run.logger is not None:
+            run.logger.close()
+    if "accuracy_after" in summary and is_main():
         before_text = f"{summary['accuracy_before']:.1%} -> " if "accuracy_before" in summary else ""
         print(f"held-out greedy accuracy: {before_text}{summary['accuracy_after']:.1%} "
               f"({summary['steps']} steps, {summary['minutes']} min); run: {run.run_dir}")

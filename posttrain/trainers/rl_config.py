@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from posttrain.dist.config import DistSection
 from posttrain.engine.config import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.peft import LoraConfig
@@ -116,6 +117,10 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     max_prompt_tokens: int = 128  # longer prompts are refused by the engine; sizes its KV cache
+    # Seed each prompt's request from (train.seed, step, its place among the step's prompts): a prompt's
+    # samples then depend on nothing else, so a data-parallel run samples what a single process would.
+    # false: the requests draw from torch's generator (restored on resume; seeded train.seed + rank).
+    seed_prompts: bool = False
     # The engine over the live policy. max_model_len and max_num_seqs left at their defaults are set
     # from max_prompt_tokens + max_tokens and max(batch, data.eval_size) (a KV pool that fits, no more).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -281,11 +286,23 @@ class GRPOConfig:
     out: str | None = None  # run directory; None: runs/grpo-<timestamp>
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
     save_final: bool = True
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; see docs/distributed.md
 
     def validate(self) -> None:
         _need(self.algorithm in ALGORITHMS, f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}"
               " (PPO is `posttrain ppo`)")
         validate_config(self)
+        if self.dist.strategy != "none":
+            from posttrain.trainers.distributed import check_dist_options
+
+            check_dist_options(self.dist, self.lora, self.quant, None)
+            # Refills are decided from the rewards a rank sees: ranks would draw different numbers of prompts.
+            _need(resolve_algorithm(self).advantage != "reinforce_pp",
+                  f"the reinforce_pp advantage whitens over the whole batch, which dist.strategy={self.dist.strategy} "
+                  "splits over the ranks; use a group estimator (grpo, dr_grpo, rloo) or dist.strategy=none")
+            _need(not resolve_algorithm(self).dynamic_sampling,
+                  f"dapo.dynamic_sampling cannot run with dist.strategy={self.dist.strategy} (each rank would refill "
+                  "on its own); set dapo.dynamic_sampling=false or dist.strategy=none")
 
 
 @dataclass
@@ -309,11 +326,21 @@ class PPOConfig:
     out: str | None = None
     resume: str | None = None  # as in GRPOConfig
     save_final: bool = True
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism (ddp); docs/distributed.md
 
     def validate(self) -> None:
         _need(self.loss.advantage in (None, "gae"), "PPO's advantage is GAE; leave loss.advantage unset")
         _need(self.loss.policy_loss in (None, "ppo_clip", "dapo"), "PPO's policy loss is ppo_clip or dapo")
         validate_config(self)
+        _need(self.dist.strategy != "fsdp2", "dist.strategy=fsdp2 is not available for PPO yet (its value head "
+              "trains beside the sharded trunk); use dist.strategy=ddp")
+        if self.dist.strategy != "none":
+            from posttrain.trainers.distributed import check_dist_options
+
+            check_dist_options(self.dist, self.lora, self.quant, None)
+            _need(not resolve_algorithm(self).dynamic_sampling,
+                  f"dapo.dynamic_sampling cannot run with dist.strategy={self.dist.strategy} (each rank would refill "
+                  "on its own); set dapo.dynamic_sampling=false or dist.strategy=none")
 
 
 RLConfig = GRPOConfig | PPOConfig
@@ -379,6 +406,25 @@ def batch_sizes(cfg: RLConfig) -> tuple[int, int, int]:
     minibatch = cfg.train.minibatch_size or batch
     micro = cfg.train.micro_batch_size or minibatch
     return batch, minibatch, micro
+
+
+def rank_batch_sizes(cfg: RLConfig, world: int) -> tuple[int, int, int]:
+    """(rollout batch, minibatch, micro-batch) in samples on one of `world` data-parallel ranks: each takes
+    1/world of the batch and of every minibatch; an unset micro_batch_size is then the rank's minibatch.
+    ValueError naming the key when the sizes do not divide into whole groups per rank."""
+    batch, minibatch, micro = batch_sizes(cfg)
+    group = cfg.rollout.samples_per_prompt
+    _need(cfg.rollout.prompts_per_step % world == 0,
+          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over the {world} processes "
+          "(a prompt's group stays on one rank)")
+    _need(minibatch % (world * group) == 0,
+          f"train.minibatch_size={minibatch} must be whole groups of {group} samples on each of the {world} processes")
+    local_minibatch = minibatch // world
+    local_micro = micro if cfg.train.micro_batch_size is not None else local_minibatch
+    _need(local_minibatch % local_micro == 0,
+          f"train.micro_batch_size={local_micro} must divide each process's share of train.minibatch_size "
+          f"({minibatch} / {world} processes = {local_minibatch})")
+    return batch // world, local_minibatch, local_micro
 
 
 def validate_config(cfg: RLConfig) -> None:

@@ -9,9 +9,12 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from posttrain.trainers.rollout import RolloutBatch
 
 
 class StepTimer:
@@ -89,3 +92,22 @@ def headline(metrics: dict[str, Any]) -> str:
         if isinstance(value, (int, float)) and not math.isnan(value):
             parts.append(f"{label}={value:{fmt}}")
     return " ".join(parts)
+
+
+def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
+    """The rollout batch's reward, length and finish statistics."""
+    lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
+    out: dict[str, Any] = {}
+    out.update(nan_stats(batch.rewards, "reward"))
+    if batch.task_rewards is not None and not torch.equal(batch.task_rewards.nan_to_num(-7), batch.rewards.nan_to_num(-7)):
+        out.update(nan_stats(batch.task_rewards, "reward/task"))
+    for name, values in batch.per_function.items():
+        out.update(nan_stats(values, f"reward/{name}"))
+    out["reward/unscorable"] = int(torch.isnan(batch.rewards).sum())
+    out["response_len/mean"] = float(lengths.mean())
+    out["response_len/max"] = float(lengths.max())
+    out["response_len/clipped_frac"] = sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons)
+    out["num_samples"] = batch.num_samples
+    if batch.reward_errors:
+        out["reward/error"] = batch.reward_errors[0][:200]
+    return out

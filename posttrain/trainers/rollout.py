@@ -16,6 +16,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -260,10 +261,15 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     )
 
 
-def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams, use_tqdm: bool = False) -> RolloutBatch:
-    """n = params.n samples of each row's prompt from the engine, with their sampling logprobs
-    (`use_tqdm`: the engine's progress bar over the prompts)."""
-    outputs = llm.generate([row[PROMPT_KEY] for row in rows], params, use_tqdm=use_tqdm)
+def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams,
+                    seeds: list[int] | None = None, use_tqdm: bool = False) -> RolloutBatch:
+    """n = params.n samples of each row's prompt from the engine, with their sampling logprobs; with `seeds`,
+    row i's request is seeded with seeds[i] (its samples then depend on nothing else: not on the batch).
+    `use_tqdm`: the engine's progress bar over the prompts."""
+    per_row: SamplingParams | list[SamplingParams] = params
+    if seeds is not None:
+        per_row = [replace(params, seed=seed) for seed in seeds]
+    outputs = llm.generate([row[PROMPT_KEY] for row in rows], per_row, use_tqdm=use_tqdm)
     completion_ids, texts, logprobs, reasons, versions = [], [], [], [], []
     for output in outputs:
         for sample in output.outputs:
@@ -325,6 +331,12 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
     return ~keep
 
 
+def prompt_seed_base(seed: int, step: int) -> int:
+    """The seed of the step's first prompt with rollout.seed_prompts (see collect_rollout); steps stay apart
+    by 2**24 seeds (prompts x samples of a step)."""
+    return (seed * 1_000_003 + step) << 24
+
+
 def collect_rollout(
     llm: LLM,
     source: PromptSource,
@@ -334,15 +346,29 @@ def collect_rollout(
     overlong: OverlongShaping | None,
     dynamic_sampling: bool,
     max_refill_rounds: int,
+    shard: Callable[[list[Any]], list[Any]] | None = None,
+    seed_base: int | None = None,
 ) -> tuple[RolloutBatch | None, RolloutStats]:
     """The step's scored batch. With dynamic sampling, only groups with differing rewards are kept and
     up to `max_refill_rounds` extra rollouts refill the batch to `num_prompts` groups; fewer may be
-    returned, and None when no group is left."""
+    returned, and None when no group is left.
+
+    Data-parallel: every rank draws the same `num_prompts` prompts and `shard` keeps this rank's (whole
+    groups: a prompt's samples stay on one rank). `seed_base`: the prompt at place p of the step's draws
+    is seeded with seed_base + p * n (the engine seeds sample i with seed + i), so a prompt gets the same
+    samples whichever rank, and whichever batch, it lands in."""
     stats = RolloutStats()
+    drawn = 0  # prompts drawn this step, over all ranks: the place of the next one
 
     def one_round(n: int) -> RolloutBatch:
+        nonlocal drawn
         start = time.perf_counter()
-        batch = generate_groups(llm, source.sample(n), params)
+        places = list(enumerate(source.sample(n), start=drawn))  # (place in the step, row)
+        drawn += n
+        if shard is not None:
+            places = shard(places)
+        seeds = [seed_base + place * params.n for place, _ in places] if seed_base is not None else None
+        batch = generate_groups(llm, [row for _, row in places], params, seeds)
         stats.rollout_s += time.perf_counter() - start
         stats.generated_tokens += sum(len(ids) for ids in batch.completion_ids)
         start = time.perf_counter()

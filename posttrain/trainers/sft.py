@@ -33,7 +33,9 @@ from posttrain.data.dataset import build_sft_rows, split_holdout
 from posttrain.data.packing import PackedRow, pack_best_fit
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.metrics import MetricsLogger
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.dist.parallel import Parallel
 from posttrain.models.moe import add_router_loss
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
@@ -45,11 +47,14 @@ from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 
 Unit = TokenizedRow | PackedRow  # what a batch holds: a row, or a packed row of several
+ONE_GROUP = 1 << 40  # a length-group price no padding saving beats: each batch is one pass
+SUMMED_METRICS = frozenset({"loss", "tokens"})  # each rank holds its part; the rest are equal on every rank
 
 
 @dataclass
@@ -82,9 +87,11 @@ class SFTConfig:
     qat: str | None = None  # quantization-aware training toward this scheme; final/ is the quantized model
     out: str | None = None  # the run directory; default runs/sft-<timestamp>
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; see docs/distributed.md
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant, self.qat)
+        check_dist_options(self.dist, self.lora, self.quant, self.qat)
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
             raise ValueError("train.eval_every is set but there is no eval data (data.eval_path or data.eval_fraction)")
 
@@ -118,16 +125,20 @@ def default_group_cost(device: torch.device) -> int:
 
 @torch.no_grad()
 def evaluate(
-    model: Transformer, units: list[Unit], batch_size: int, pad_token_id: int, group_cost_tokens: int | None = None
+    model: Transformer, units: list[Unit], batch_size: int, pad_token_id: int, group_cost_tokens: int | None = None,
+    parallel: Parallel | None = None,
 ) -> dict[str, float]:
-    """Token-mean loss over `units`, in the same units as the training loss."""
+    """Token-mean loss over `units`, in the same units as the training loss.
+
+    Under torchrun every rank evaluates all of `units` (the same forwards in the same order, which FSDP2's
+    gathers need), so every rank holds the same figures without a reduction."""
     was_training = model.training
     model.eval()
     cost = default_group_cost(model.device) if group_cost_tokens is None else group_cost_tokens
     total, count = 0.0, 0
     for start in range(0, len(units), batch_size):
         for batch in grouped_batches(units[start : start + batch_size], pad_token_id, cost, model.device):
-            total += float(sft_loss_sum(model, batch))
+            total += float(parallel.run(sft_loss_sum, batch) if parallel is not None else sft_loss_sum(model, batch))
             count += batch.num_targets
     model.train(was_training)
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}
@@ -178,14 +189,18 @@ class SFTSession:
     evaluate: Callable[[], dict[str, float]] | None
     checkpointer: Checkpointer
     start_step: int = 0  # steps already done: > 0 when resumed from a checkpoint
+    parallel: Parallel | None = None  # how the model is spread over torchrun's processes (strategy none: as is)
 
 
 def start_sft(cfg: SFTConfig) -> SFTSession:
     """Load the model (with its adapters, quantized base or fake quantization) and data, create (or reopen,
     with `resume`) the run directory, build the optimizer and the step, and restore a checkpoint if resuming."""
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_trainable(cfg.model, lora=cfg.lora, quant=cfg.quant, qat=cfg.qat)
+    ctx, model_section = join_processes(cfg.dist, cfg.model)
+    model, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant, qat=cfg.qat)
     model.train()
+    parallel = Parallel(model, cfg.dist, ctx)  # before the optimizer: FSDP2 replaces the Parameters by shards
+    parallel.check_divides("train.batch_size", cfg.train.batch_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
@@ -195,7 +210,8 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     max_steps = train_cfg.max_steps or steps_for_epochs(len(units), train_cfg.epochs, per_step)
     start = open_run("sft", cfg)
     run_dir = start.run_dir
-    _write_report(run_dir, report)
+    if is_main():
+        _write_report(run_dir, report)
     logger.info("sft: %d rows of %s (%d bad, skipped) -> %d %s; %d steps of %d; run dir %s",
                 report["rows_kept"], report["format"], len(report["bad_rows"]), len(units),
                 "packed rows" if cfg.data.packing else "rows", max_steps, per_step, run_dir)
@@ -209,29 +225,39 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     guard = BadStepGuard(train_cfg.max_bad_steps)
     device = model.device
     group_cost = default_group_cost(device) if train_cfg.group_cost_tokens is None else train_cfg.group_cost_tokens
+    # Under torchrun each rank's share of a micro-batch is one pass: FSDP2 gathers every layer in lockstep, so
+    # every rank must run the same number of forwards (length groups could differ from rank to rank).
+    train_group_cost = ONE_GROUP if parallel.wrapped is not None else group_cost
 
     def step(index: int) -> dict[str, float]:
         # All micro-batches of the step (each cut into length groups) share one normaliser: the step's
-        # completion-token count, so the update does not depend on how the rows were split.
-        batches = [b for _ in range(train_cfg.grad_accum) for b in grouped_batches(next(stream), pad_id, group_cost, device)]
-        loss_tokens = sum(b.num_targets for b in batches)
+        # completion-token count over every rank, so the update does not depend on how the rows were split.
+        batches = [b for _ in range(train_cfg.grad_accum)
+                   for b in grouped_batches(parallel.shard(next(stream)), pad_id, train_group_cost, device)]
+        loss_tokens = int(all_reduce_count(sum(b.num_targets for b in batches), device))
+
+        def loss_of(m: Transformer, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            # Mixture-of-experts models add the router's load-balancing loss and log router/* metrics.
+            return add_router_loss(m, sft_loss_sum(m, b), b.attention_mask, b.num_targets, loss_tokens)
 
         def micro_loss(b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            # Mixture-of-experts models add the router's load-balancing loss and log router/* metrics.
-            loss_sum, router = add_router_loss(model, sft_loss_sum(model, b), b.attention_mask, b.num_targets, loss_tokens)
+            loss_sum, router = parallel.run(loss_of, b)
             return loss_sum, {"tokens": b.num_tokens, **router}
 
-        out = accumulate_gradients(batches, micro_loss, loss_tokens)
+        out = accumulate_gradients(batches, micro_loss, loss_tokens, parallel)
+        out = reduce_metrics(out, SUMMED_METRICS, device)  # the step's loss and tokens over every rank
         grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
         guard.record(index + 1, applied, out["loss"], grad_norm)
         return {**out, "grad_norm": grad_norm, "loss_tokens": loss_tokens, "skipped_updates": guard.total}
 
-    evaluate_fn = (lambda: evaluate(model, eval_units, train_cfg.batch_size, pad_id, group_cost)) if eval_units else None
+    evaluate_fn = ((lambda: evaluate(model, eval_units, train_cfg.batch_size, pad_id, group_cost, parallel))
+                   if eval_units else None)
     checkpointer = Checkpointer("sft", run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints)
+                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints,
+                                parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     return SFTSession(model, tokenizer, run_dir, units, eval_units, optimizer, max_steps, step, evaluate_fn,
-                      checkpointer, start_step)
+                      checkpointer, start_step, parallel)
 
 
 def train_sft(cfg: SFTConfig) -> Path:
@@ -240,12 +266,15 @@ def train_sft(cfg: SFTConfig) -> Path:
     model with `qat`)."""
     session = start_sft(cfg)
     train_cfg = cfg.train
-    with MetricsLogger(session.run_dir) as metrics:
+    with main_metrics(session.run_dir) as metrics:
         run_steps(
             session.step, max_steps=session.max_steps, optimizer=session.optimizer, metrics=metrics,
             log_every=train_cfg.log_every, save_every=train_cfg.save_every, eval_every=train_cfg.eval_every,
-            eval_fn=session.evaluate, progress=train_cfg.progress, desc="sft",
+            eval_fn=session.evaluate, progress=train_cfg.progress and is_main(), desc="sft",
             save_fn=session.checkpointer.save, start_step=session.start_step,
         )
-    save_final_dir(session.model, session.tokenizer, session.run_dir, base_model=cfg.model.name_or_path)
+    if session.parallel is not None and session.parallel.wrapped is not None:
+        save_final_parallel(session.parallel, session.tokenizer, session.run_dir, base_model=cfg.model.name_or_path)
+    else:
+        save_final_dir(session.model, session.tokenizer, session.run_dir, base_model=cfg.model.name_or_path)
     return session.run_dir

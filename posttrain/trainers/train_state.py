@@ -6,11 +6,14 @@
       optimizer.safetensors       the optimizer's tensors (AdamW moments and step counts)
       rng_state.safetensors       torch's generator states (CPU, every CUDA device)
       modules.safetensors         modules trained beside the model (a reward or value head), if any
+      shards/                     instead of the model and optimizer files, in an FSDP2 run: every rank's
+                                  shards (torch.distributed.checkpoint), loadable at any world size
       trainer_state.json          step, optimizer skeleton, schedule, python / numpy RNG, and the trainer's
                                   own counters: data position, bad-step counts, RL policy version, ...
       COMMITTED                   written last, after everything above is fsync'd
 
-Only safetensors and JSON are read back, so resuming never unpickles anything. The write goes to a hidden
+Only safetensors and JSON are read back, so resuming never unpickles anything; the one exception is an FSDP2
+checkpoint's `shards/.metadata`, torch.distributed.checkpoint's own (pickled) index of the shards. The write goes to a hidden
 `.step-N.partial` directory that is renamed into place before the marker; rotation runs after the commit.
 """
 
@@ -29,6 +32,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from posttrain.dist.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from posttrain.dist.env import barrier, is_main
+from posttrain.dist.parallel import Parallel
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import hf_to_ours, read_safetensors
 from posttrain.peft import active_adapter, load_lora_state_dict
@@ -42,6 +48,7 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng_state.safetensors"
 MODULES_FILE = "modules.safetensors"
+SHARDS_DIR = "shards"  # FSDP2 runs: model + optimizer as torch.distributed.checkpoint shards
 FORMAT_VERSION = 1
 
 
@@ -73,15 +80,35 @@ class Checkpointer:
     state: dict[str, Stateful] = field(default_factory=dict)
     keep_last: int | None = None
     write_extras: Callable[[Path], object] | None = None  # user-facing files (score.safetensors) into the dir
+    parallel: Parallel | None = None  # under torchrun: who writes what (see `save`)
 
     def save(self, step: int) -> Path:
-        """Write checkpoint `step`, commit it, then prune old ones. Returns its directory."""
-        tmp = partial_dir(self.run_dir, step)
-        if tmp.exists():
+        """Write checkpoint `step`, commit it, then prune old ones. Returns its directory.
+
+        Under torchrun every rank calls this: with DDP rank 0 writes (the ranks hold the same weights and
+        optimizer state); with FSDP2 each rank writes its shards (`shards/`, torch.distributed.checkpoint)
+        and rank 0 the rest. Rank 0 commits once every rank's part is on disk."""
+        sharded = self.parallel is not None and self.parallel.strategy == "fsdp2"
+        tmp, final = partial_dir(self.run_dir, step), checkpoint_dir(self.run_dir, step)
+        if is_main() and tmp.exists():
             shutil.rmtree(tmp)  # left by a crash in an earlier save of this step
-        save_trained(self.model, self.tokenizer, tmp, base_model=self.base_model)
-        optimizer_plain, optimizer_tensors = optimizer_to_plain(self.optimizer)
-        save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
+        if sharded:
+            if is_main():
+                tmp.mkdir(parents=True)
+            barrier()
+            save_sharded(self.model, self.optimizer, tmp / SHARDS_DIR)  # collective: every rank its shards
+            barrier()
+        if not is_main():
+            barrier()  # wait for rank 0's commit, so no rank runs ahead of a half-written checkpoint
+            return final
+        if sharded:
+            optimizer_plain = None  # in shards/, by parameter name
+            if self.tokenizer is not None:
+                self.tokenizer.save(tmp)
+        else:
+            save_trained(self.model, self.tokenizer, tmp, base_model=self.base_model)
+            optimizer_plain, optimizer_tensors = optimizer_to_plain(self.optimizer)
+            save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
         rng_plain, rng_tensors = capture_rng()
         save_file(rng_tensors, str(tmp / RNG_FILE))
         if self.modules:
@@ -99,13 +126,13 @@ class Checkpointer:
         }
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         fsync_tree(tmp)
-        final = checkpoint_dir(self.run_dir, step)
         if final.exists():
             shutil.rmtree(final)  # a torn step-N, or one of a timeline abandoned by resuming from an older step
         os.replace(tmp, final)
         fsync_dir(final.parent)
         commit(final, json.dumps({"step": step}) + "\n")
         prune_checkpoints(self.run_dir, self.keep_last)
+        barrier()
         return final
 
     def restore(self, path: str | Path) -> int:
@@ -116,7 +143,14 @@ class Checkpointer:
         if record.get("command") != self.command:
             raise CheckpointError(f"{path}: written by `posttrain {record.get('command')}`, cannot resume "
                                   f"`posttrain {self.command}`")
-        load_trained_weights(self.model, path)
+        sharded = is_sharded_checkpoint(path / SHARDS_DIR)
+        if sharded:  # written by FSDP2 ranks: resharded to this run's layout, whatever its world size
+            load_sharded(self.model, self.optimizer, path / SHARDS_DIR)
+        elif self.parallel is not None and self.parallel.strategy == "fsdp2":
+            raise CheckpointError(f"{path}: written by a single-process or ddp run (whole weights); dist.strategy=fsdp2 "
+                                  "resumes from sharded checkpoints only: resume it with dist.strategy=ddp or none")
+        else:
+            load_trained_weights(self.model, path)
         if self.modules:
             tensors = _read_tensors(path / MODULES_FILE)
             for name, module in self.modules.items():
@@ -125,8 +159,9 @@ class Checkpointer:
                     module.load_state_dict(own)
                 except RuntimeError as error:
                     raise CheckpointError(f"{path / MODULES_FILE}: module {name!r}: {error}") from None
-        load_optimizer_plain(self.optimizer, record["optimizer"], _read_tensors(path / OPTIMIZER_FILE),
-                             str(path / OPTIMIZER_FILE))
+        if not sharded:
+            load_optimizer_plain(self.optimizer, record["optimizer"], _read_tensors(path / OPTIMIZER_FILE),
+                                 str(path / OPTIMIZER_FILE))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(record["scheduler"])
         saved = record.get("state", {})

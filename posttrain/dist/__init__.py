@@ -1,0 +1,12 @@
+"""Data parallelism on torch.distributed (torchrun): DDP or FSDP2, sharded checkpoints, `--nproc`.
+
+See docs/distributed.md. Trainers use `Parallel` (the wrapped model), the collectives of `env`, and
+`checkpoint` / `export` through `posttrain.trainers.train_state` and `posttrain.trainers.distributed`.
+"""
+
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import DistContext, all_reduce_count, barrier, init_distributed, is_main, reduce_metrics
+from posttrain.dist.parallel import Parallel
+
+__all__ = ["DistContext", "DistSection", "Parallel", "all_reduce_count", "barrier", "init_distributed", "is_main",
+           "reduce_metrics"]

@@ -1,0 +1,31 @@
+"""The `dist:` config section every trainer carries: how the model is spread over the torchrun processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+STRATEGIES = ("none", "ddp", "fsdp2")
+
+
+@dataclass
+class DistSection:
+    # none: one process, the model as is. ddp: every rank holds the whole model, gradients all-reduced.
+    # fsdp2: parameters, gradients and optimizer state sharded over the ranks (torch fully_shard per decoder
+    # layer, then the root). ddp and fsdp2 need the torchrun environment (`torchrun ...` or `--nproc N`).
+    strategy: Literal["none", "ddp", "fsdp2"] = "none"
+    # fsdp2 only. true: a layer's parameters are freed after its forward and gathered again for the backward
+    # (ZeRO-3-like, least memory); false: kept gathered from forward to backward (ZeRO-2-like, one all-gather
+    # fewer per layer per micro-batch, the full layer weights held meanwhile).
+    reshard_after_forward: bool = True
+    # Recompute each decoder layer's activations in the backward instead of keeping them (any strategy).
+    activation_checkpointing: bool = False
+    # bf16 compute with fp32 master weights and fp32 gradient reduction; CUDA only (on CPU runs stay fp32,
+    # with a warning). Needs model.dtype=float32 (the master weights).
+    mixed_precision: bool = False
+
+    def validate(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy != "fsdp2" and not self.reshard_after_forward:
+            raise ValueError(f"reshard_after_forward=false applies to strategy fsdp2 only (strategy is {self.strategy})")

@@ -1,0 +1,70 @@
+"""What a trainer does differently under torchrun: join the process group, place the model on the rank's
+device, write files from rank 0 only, save the final model from whole weights.
+
+    ctx, model_section = join_processes(cfg.dist, cfg.model)   before loading the model
+    parallel = Parallel(model, cfg.dist, ctx)                  before building the optimizer
+    with main_metrics(run_dir) as metrics: ...                 a MetricsLogger on rank 0, None elsewhere
+    save_final_parallel(parallel, tokenizer, run_dir, base)    final/ (one HF directory, from rank 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import DistContext, barrier, init_distributed, is_main
+from posttrain.dist.export import unsharded_copy
+from posttrain.dist.parallel import Parallel
+from posttrain.errors import ConfigError
+from posttrain.metrics import MetricsLogger
+from posttrain.peft import LoraConfig
+from posttrain.run_dir import final_dir
+from posttrain.trainers.adapters import save_final_dir
+from posttrain.trainers.sections import ModelSection
+
+
+def check_dist_options(dist: DistSection, lora: LoraConfig | None, quant: str | None, qat: str | None) -> None:
+    """Refuse what FSDP2 cannot shard here (ValueError naming the keys; a config's validate() calls this)."""
+    if dist.strategy == "fsdp2":
+        for key, value in (("lora", lora), ("quant", quant), ("qat", qat)):
+            if value is not None:
+                raise ValueError(f"dist.strategy=fsdp2 cannot be combined with {key}: (adapters, quantized and "
+                                 "fake-quantized layers are not sharded); use dist.strategy=ddp")
+
+
+def join_processes(dist: DistSection, model: ModelSection) -> tuple[DistContext, ModelSection]:
+    """Join torchrun's process group (nothing with strategy none) and put the model on this rank's device:
+    cuda:LOCAL_RANK when CUDA is used, the CPU otherwise."""
+    device = model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = torch.device(device).type
+    ctx = init_distributed(dist.strategy, device_type)
+    if dist.strategy != "none" and device_type == "cuda":
+        model = dataclasses.replace(model, device=f"cuda:{ctx.local_rank}")
+    return ctx, model
+
+
+@contextlib.contextmanager
+def main_metrics(run_dir: Path) -> Iterator[MetricsLogger | None]:
+    """A MetricsLogger on rank 0 (the metrics it logs are already reduced over the ranks), None elsewhere."""
+    if not is_main():
+        yield None
+        return
+    with MetricsLogger(run_dir) as metrics:
+        yield metrics
+
+
+def save_final_parallel(parallel: Parallel, tokenizer: Any, run_dir: Path, *, base_model: str) -> Path:
+    """<run>/final from the whole weights, written by rank 0 (the others wait for it)."""
+    model = unsharded_copy(parallel.model) if parallel.strategy == "fsdp2" else parallel.model
+    if is_main():
+        if model is None:
+            raise ConfigError("rank 0 received no weights to export")
+        save_final_dir(model, tokenizer, run_dir, base_model=base_model)
+    barrier()
+    return final_dir(run_dir)

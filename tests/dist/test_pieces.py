@@ -1,0 +1,111 @@
+"""The distributed pieces that need no second process: configuration errors, sharding, activation
+checkpointing, and the single-process fall-backs of the collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.dist.config import DistSection
+from posttrain.dist.env import DistContext, all_reduce_count, init_distributed, reduce_metrics
+from posttrain.dist.launch import split_nproc, torchrun_command, without_nproc
+from posttrain.dist.parallel import Parallel
+from posttrain.errors import ConfigError
+from posttrain.trainers.sft import SFTConfig
+from tests.data.tiny import tiny_model
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_fsdp2_without_torchrun_names_the_key_and_the_launch(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"dist.strategy=fsdp2 needs the torchrun environment.*--nproc N"):
+        init_distributed("fsdp2", "cpu")
+
+
+def test_strategy_none_under_a_multi_process_launch_is_refused(monkeypatch):
+    for name, value in zip(TORCHRUN_VARS, ("1", "2", "1", "127.0.0.1", "29500")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="dist.strategy=none, but torchrun started 2 processes"):
+        init_distributed("none", "cpu")
+
+
+def test_config_refuses_fsdp2_with_lora_and_unknown_strategies(tmp_path):
+    with pytest.raises(Exception, match="dist.strategy=fsdp2 cannot be combined with lora"):
+        load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "lora.r=4"])
+    with pytest.raises(Exception, match="dist.strategy"):
+        load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=zero3"])
+    with pytest.raises(Exception, match="reshard_after_forward=false applies to strategy fsdp2 only"):
+        load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=ddp", "dist.reshard_after_forward=false"])
+
+
+def test_reward_models_refuse_fsdp2_by_name():
+    from posttrain.trainers.reward_model import RMConfig
+
+    with pytest.raises(Exception, match="dist.strategy=fsdp2 is not available for reward models yet"):
+        load_config(RMConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2"])
+
+
+def test_batch_wide_methods_refuse_data_parallelism_by_name():
+    from posttrain.trainers.distill import DistillConfig
+    from posttrain.trainers.dpo import DPOConfig
+    from posttrain.trainers.rl_config import GRPOConfig
+
+    with pytest.raises(Exception, match="mode=on_policy cannot run with dist.strategy=ddp"):
+        load_config(DistillConfig, overrides=["data.path=x.jsonl", "teacher.name_or_path=t", "mode=on_policy",
+                                              "dist.strategy=ddp"])
+    with pytest.raises(Exception, match="loss=kto cannot run with dist.strategy=fsdp2"):
+        load_config(DPOConfig, overrides=["data.path=x.jsonl", "loss=kto", "dist.strategy=fsdp2"])
+    with pytest.raises(Exception, match="dapo.dynamic_sampling cannot run with dist.strategy=ddp"):
+        load_config(GRPOConfig, overrides=["algorithm=dapo", "dist.strategy=ddp"])
+    from posttrain.trainers.rl_config import PPOConfig
+
+    with pytest.raises(Exception, match="dist.strategy=fsdp2 is not available for PPO yet"):
+        load_config(PPOConfig, overrides=["dist.strategy=fsdp2"])
+    with pytest.raises(Exception, match="reinforce_pp advantage whitens over the whole batch"):
+        load_config(GRPOConfig, overrides=["algorithm=reinforce_pp", "dist.strategy=ddp"])
+
+
+def test_shards_are_strided_and_the_global_batch_must_divide():
+    parallel = Parallel(tiny_model(), DistSection(), DistContext(rank=1, world_size=2))
+    assert parallel.shard(list(range(6))) == [1, 3, 5]
+    parallel.check_divides("train.batch_size", 4)
+    with pytest.raises(ConfigError, match=r"train.batch_size=3 is the global batch.*2 processes"):
+        parallel.check_divides("train.batch_size", 3)
+
+
+def test_single_process_collectives_are_identities():
+    metrics = {"loss": 1.5, "tokens": 10.0, "grad_norm": 0.3}
+    assert reduce_metrics(metrics, {"loss", "tokens"}, torch.device("cpu")) == metrics
+    assert all_reduce_count(7, torch.device("cpu")) == 7
+
+
+def test_activation_checkpointing_keeps_the_gradients():
+    ids = torch.randint(0, 300, (2, 12))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model()
+        parallel = Parallel(model, DistSection(activation_checkpointing=checkpointing), DistContext())
+        loss = parallel.run(lambda m, x: m(x).logsumexp(-1).mean(), ids)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        assert sorted(n for n, _ in model.named_parameters()) == sorted(grads[0])  # names unchanged
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6)
+
+
+def test_nproc_is_dropped_from_the_relaunched_command():
+    assert without_nproc(["sft", "--nproc", "2", "cfg.yaml", "--nproc=3", "x=1"]) == ["sft", "cfg.yaml", "x=1"]
+    command = torchrun_command(2, ["sft", "--nproc", "2", "cfg.yaml"])
+    assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "posttrain",
+                           "sft", "cfg.yaml"]
+
+
+def test_nproc_is_found_among_the_overrides_too():
+    assert split_nproc(["cfg.yaml", "--nproc", "2", "x=1"]) == (2, ["cfg.yaml", "x=1"])
+    assert split_nproc(["cfg.yaml", "--nproc=4"]) == (4, ["cfg.yaml"])
+    assert split_nproc(["cfg.yaml", "x=1"]) == (None, ["cfg.yaml", "x=1"])
+    with pytest.raises(ConfigError, match="--nproc needs a number of processes, got 'two'"):
+        split_nproc(["--nproc", "two"])

@@ -1,0 +1,46 @@
+"""PPO data-parallel (DDP, gloo): 2 torchrun processes against 1 over the same seeded prompts. The value head
+trains beside the trunk (its gradient reduced with the trunk's) and the advantages are whitened over every
+rank's samples, so the two runs make the same updates."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from posttrain.config import load_config
+from posttrain.metrics import read_metrics
+from posttrain.models.checkpoint_io import save_hf_dir
+from posttrain.trainers.ppo import VALUE_HEAD_FILE, train_ppo
+from posttrain.trainers.rl_config import PPOConfig
+from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory) -> list[str]:
+    """4 prompts x 2 samples a step in 2 minibatches (so the no-grad pass for pi_old and V runs, and two
+    optimizer steps per rollout); optim.eps=1e-3 as in test_grpo_parallel (rounding-level LM-head gradients)."""
+    root = tmp_path_factory.mktemp("ppo-dist")
+    tok = tokenizer()
+    model = save_hf_dir(tiny_model(tok), root / "model", tokenizer=tok)
+    return [f"model.name_or_path={model}", f"reward.functions=[{reward_file(root)}:char_mix]",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_tokens=6",
+            "rollout.seed_prompts=true", "train.epochs=1", "train.minibatch_size=4", "train.max_steps=2",
+            "optim.lr=1e-2", "optim.eps=1e-3", "data.eval_size=0", "log.progress=false"]
+
+
+def test_two_ddp_processes_take_the_ppo_steps_of_one(overrides, tmp_path):
+    one = train_ppo(load_config(PPOConfig, None, [*overrides, f"out={tmp_path / 'one'}"]))
+    two = tmp_path / "two"
+    torchrun(2, ["ppo", *overrides, f"out={two}", "dist.strategy=ddp"])
+    got, want = read_metrics(two), read_metrics(one)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for mine, theirs in zip(got, want):
+        assert mine["optimizer_steps"] == theirs["optimizer_steps"]
+        for key in ("reward/mean", "loss", "grad_norm"):
+            assert abs(mine[key] - theirs[key]) <= TOLERANCE * max(1.0, abs(theirs[key])), (mine["step"], key)
+    assert max_difference(final_weights(two), final_weights(one)) <= TOLERANCE
+    heads = [load_file(str(run / "final" / VALUE_HEAD_FILE)) for run in (one, two)]
+    assert max_difference(*heads) <= TOLERANCE

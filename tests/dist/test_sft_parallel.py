@@ -1,0 +1,114 @@
+"""SFT data-parallel on CPU (gloo): 2 processes against 1 on the same global batch, and an FSDP2 run resumed
+on 1 process. Each multi-process run is a real `torchrun ... -m posttrain sft` (or the `--nproc` shortcut)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.metrics import read_metrics
+from posttrain.models.checkpoint_io import read_safetensors
+from posttrain.trainers.sft import SFTConfig, train_sft
+from tests.data.tiny import save_tiny_model_dir
+from tests.dist.launch import ROOT, final_weights, losses, max_difference, torchrun
+
+QA = [
+    ("What is two plus three?", "Two plus three is five."),
+    ("What color is the sky?", "The sky is blue."),
+    ("What is the answer?", "The answer is 42."),
+    ("Hello!", "Hello! How can I help you today?"),
+    ("How many clips did Natalia sell in April?", "Natalia sold 48 clips in April."),
+    ("And in May?", "She sold half as many clips in May."),
+    ("What color is the grass?", "The grass is green."),
+    ("Who are you?", "You are a helpful assistant. I help."),
+]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    """A YAML config over a tiny random model and 8 rows: a global batch of 4 rows x 2 accumulation steps."""
+    root = tmp_path_factory.mktemp("sft-dist")
+    model_dir = save_tiny_model_dir(root / "model")
+    data = root / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QA))
+    config = root / "sft.yaml"
+    config.write_text(
+        f"model: {{name_or_path: {model_dir}}}\n"
+        f"data: {{path: {data}, columns: {{prompt: question, completion: answer}}, as_chat: true}}\n"
+        "train: {progress: false, batch_size: 4, grad_accum: 2, max_steps: 1}\n"
+        "optim: {lr: 1.0e-2}\n"
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def one_process(config_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "run"
+    return train_sft(load_config(SFTConfig, config_file, overrides=[f"out={out}"]))
+
+
+def _nproc_shortcut(argv: list[str]) -> None:
+    """`python -m posttrain sft CONFIG ... --nproc 2`: the shortcut that relaunches itself under torchrun."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "posttrain", "sft", *argv, "--nproc", "2"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_take_the_step_of_one(strategy, config_file, one_process, tmp_path):
+    out = tmp_path / "run"
+    argv = [str(config_file), f"out={out}", f"dist.strategy={strategy}"]
+    if strategy == "ddp":
+        _nproc_shortcut(argv)
+    else:
+        torchrun(2, ["sft", *argv])
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1]  # rank 0 alone writes, the metrics reduced over both ranks
+    reference_record = read_metrics(one_process)[0]
+    assert records[0]["tokens"] == reference_record["tokens"]
+    # AdamW hardly sees the gradient's scale, the norm does: the ranks' reduction must give the 1-process gradient.
+    assert abs(records[0]["grad_norm"] - reference_record["grad_norm"]) <= TOLERANCE * reference_record["grad_norm"]
+    assert abs(losses(out)[1] - losses(one_process)[1]) <= TOLERANCE
+    initial = read_safetensors(Path(load_config(SFTConfig, config_file).model.name_or_path))
+    reference = final_weights(one_process)
+    assert max_difference(initial, reference) > 1e-3  # the step moved the weights: the comparison means something
+    assert max_difference(final_weights(out), reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_process_run_resumes_on_one_process(strategy, config_file, tmp_path):
+    """4 steps on 2 ranks with a checkpoint at step 2; resumed from it by 1 process, steps 3 and 4 give the same
+    losses and the same final weights. DDP: rank 0 wrote the usual whole-weights checkpoint. FSDP2: every rank
+    its DCP shards, resumed both by a plain process and by FSDP2 on 1 rank (resharded to the reader's layout)."""
+    two = tmp_path / "two"
+    steps = ["train.max_steps=4", "train.save_every=2", "train.batch_size=2", "train.grad_accum=1"]
+    torchrun(2, ["sft", str(config_file), f"out={two}", f"dist.strategy={strategy}", *steps])
+    checkpoint = two / "checkpoints" / "step-2"
+    assert (checkpoint / "COMMITTED").is_file()
+    if strategy == "fsdp2":
+        assert (checkpoint / "shards" / ".metadata").is_file()
+        assert len(list((checkpoint / "shards").glob("*.distcp"))) == 2  # one file of shards per rank
+    else:
+        assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.safetensors").is_file()
+    expected = losses(two)
+    assert sorted(expected) == [1, 2, 3, 4]
+
+    resumed = [train_sft(load_config(SFTConfig, config_file,
+                                     overrides=[f"out={tmp_path / 'plain-one'}", f"resume={checkpoint}", *steps]))]
+    if strategy == "fsdp2":
+        resumed.append(tmp_path / "fsdp2-one")
+        torchrun(1, ["sft", str(config_file), f"out={resumed[-1]}", "dist.strategy=fsdp2", f"resume={checkpoint}",
+                     *steps])
+    for run in resumed:
+        got = losses(run)
+        assert sorted(got) == [3, 4]
+        assert all(abs(got[s] - expected[s]) <= TOLERANCE for s in (3, 4)), (got, expected)
+        assert max_difference(final_weights(run), final_weights(two)) <= TOLERANCE
