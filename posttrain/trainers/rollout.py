@@ -400,7 +400,8 @@ def collect_rollout(
         kept.append(round_batch.select_groups(groups))
         kept_places.extend(placed[g] for g in groups)
         # (kept, dropped) summed over the ranks: every rank then takes the same refill decisions.
-        counts = all_gather_objects((len(groups), int(zero.sum()))) if shard is not None else [(len(groups), int(zero.sum()))]
+        mine = (len(groups), int(zero.sum()))
+        counts = all_gather_objects(mine) if shard is not None else [mine]
         have += sum(c[0] for c in counts)
         stats.dropped_groups += sum(c[1] for c in counts)
 
