@@ -109,6 +109,26 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order; [obj] in a single process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0 in rank order: (W * n, ...) from each rank's (n, ...)
+    (the same shape on every rank, as `Parallel.check_divides` ensures for a batch); `tensor` itself in a
+    single process. Not differentiable: for batch statistics such as KTO's KL reference point."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.detach().contiguous())
+    return torch.cat(parts)
+
+
 def all_reduce_count(count: float, device: torch.device) -> float:
     """The sum of `count` over the ranks (the global token or pair count a loss is normalised by)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +51,7 @@ from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
+from posttrain.trainers.rollout import prompt_seed_base
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
 from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
@@ -86,6 +87,9 @@ class DistillConfig:
     mode: Literal["off_policy", "on_policy"] = "off_policy"
     max_new_tokens: int = 64  # on_policy: tokens the student samples per prompt
     sample_temperature: float = 1.0  # on_policy: the student's sampling temperature
+    # on_policy: seed each prompt's sample from (train.seed, step, its place among the step's prompts), so it does
+    # not depend on the rank or the batch it lands in: N processes then sample what one process samples.
+    seed_prompts: bool = False
     lora: LoraConfig | None = None  # train LoRA adapters on the student only; final/ is then the PEFT adapter
     quant: str | None = None  # QLoRA: quantize the student's frozen base under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/distill-<timestamp>
@@ -95,10 +99,6 @@ class DistillConfig:
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
         check_dist_options(self.dist, self.lora, self.quant, None)
-        if self.dist.strategy != "none" and self.mode == "on_policy":
-            # A rank whose samples all come back empty would skip the forwards the other ranks run.
-            raise ValueError(f"mode=on_policy cannot run with dist.strategy={self.dist.strategy} yet; use "
-                             "mode=off_policy or dist.strategy=none")
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(DISTILL_LOSSES)})")
         if not 0.0 <= self.beta <= 1.0:
@@ -149,12 +149,18 @@ def prompt_of(row: TokenizedRow) -> list[int]:
     return row.input_ids[:start]
 
 
-def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams) -> list[TokenizedRow]:
-    """Prompt + student sample as rows labelled on the sampled tokens (an empty sample is dropped)."""
+def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams, seeds: Sequence[int] | None = None,
+                 keep_empty: bool = False) -> list[TokenizedRow]:
+    """Prompt + student sample as rows labelled on the sampled tokens. `seeds`: prompt i's request is seeded with
+    seeds[i]. An empty sample is dropped, or with `keep_empty` kept as a prompt-only row with no targets (under
+    torchrun every rank must run the same forwards, even one whose samples all came back empty)."""
+    per_prompt: SamplingParams | list[SamplingParams] = params
+    if seeds is not None:
+        per_prompt = [replace(params, seed=seed) for seed in seeds]
     rows = []
-    for prompt, out in zip(prompts, llm.generate(list(prompts), params)):
+    for prompt, out in zip(prompts, llm.generate(list(prompts), per_prompt)):
         completion = out.outputs[0].token_ids
-        if completion:
+        if completion or keep_empty:
             rows.append(TokenizedRow(list(prompt) + list(completion), [IGNORE_INDEX] * len(prompt) + list(completion)))
     return rows
 
@@ -244,16 +250,26 @@ def train_distill(cfg: DistillConfig) -> Path:
         stream = row_stream = batch_stream(rows, train_cfg.batch_size, seed=train_cfg.seed)
     guard = BadStepGuard(train_cfg.max_bad_steps)
 
-    def next_rows() -> list[TokenizedRow]:
+    sharded = parallel.wrapped is not None
+    if sharded and cfg.mode == "on_policy":
+        # Each rank's unseeded samples draw from their own stream (rank 0's is the single-process one).
+        torch.manual_seed(train_cfg.seed + ctx.rank)
+
+    def next_rows(step: int, micro: int) -> list[TokenizedRow]:
         if llm is None:
             return parallel.shard(next(row_stream))  # this rank's share of the global batch
+        # (place among the step's prompts, prompt) for the global micro-batch; this rank samples its share.
+        places = parallel.shard(list(enumerate(next(prompt_stream), start=micro * train_cfg.batch_size)))
+        seeds = [prompt_seed_base(train_cfg.seed, step) + place for place, _ in places] if cfg.seed_prompts else None
         student.eval()
-        sampled = sampled_rows(llm, next(prompt_stream), params)
+        with parallel.full_weights():  # FSDP2: the engine runs on whole weights, gathered once (docs/distributed.md)
+            sampled = sampled_rows(llm, [p for _, p in places], params, seeds, keep_empty=sharded)
         student.train()
         return sampled
 
     def step_fn(step: int) -> dict[str, float]:
-        batches = [collate(r, pad_id).to(student.device) for r in (next_rows() for _ in range(train_cfg.grad_accum)) if r]
+        micro_rows = [next_rows(step, m) for m in range(train_cfg.grad_accum)]
+        batches = [collate(r, pad_id).to(student.device) for r in micro_rows if r]
         targets = int(all_reduce_count(sum(b.num_targets for b in batches), student.device))  # over every rank
         if not batches or targets == 0:
             logger.warning("distill: step %d has no completion tokens (every sample was empty); skipped", step + 1)

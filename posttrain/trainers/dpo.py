@@ -50,7 +50,7 @@ from posttrain.data.config import DataConfig
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.dist.config import DistSection
-from posttrain.dist.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.dist.env import all_gather_rows, all_reduce_count, is_main, reduce_metrics
 from posttrain.dist.parallel import Parallel
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig, disable_adapters
@@ -105,10 +105,6 @@ class DPOConfig:
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
         check_dist_options(self.dist, self.lora, self.quant, None)
-        if self.dist.strategy != "none" and self.loss == "kto":
-            # KTO's KL reference point is a mean over the whole batch: a rank sees only its share of it.
-            raise ValueError(f"loss=kto cannot run with dist.strategy={self.dist.strategy} (its KL reference point "
-                             "is a batch mean); use a pairwise loss or dist.strategy=none")
         if self.loss not in PREFERENCE_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(PREFERENCE_LOSSES)})")
         accepted = inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters
@@ -312,8 +308,17 @@ class DPORun:
         ref = self.reference.logps(split, idx, batch) if self.reference is not None else None
         policy_kl = None
         if self.cfg.loss == "kto":
+            assert ref is not None and ref[2] is not None
             kl_rows_ = [self.reference.kl[split][i] for i in idx]  # type: ignore[union-attr]
-            policy_kl = frozen_logps(self.model, kl_rows_, len(idx), self.pad_id).to(policy.device)
+            kl_batch = collate(kl_rows_, self.pad_id).to(self.model.device)
+            with torch.no_grad():  # through the DDP / FSDP2 hooks: FSDP2 holds only shards outside them
+                policy_kl = self._policy_logps(kl_batch)[0]  # (B,)
+            if self.parallel is not None and split == "train":
+                # z0 is a mean over the micro-batch's KL rows, and each rank holds B/W of them: gather all W
+                # shares (W*B/W,) so every rank clamps the same z0 as one process over the B pairs.
+                # (Evaluation runs every held-out pair on every rank: nothing to gather there.)
+                policy_kl, ref_kl = all_gather_rows(policy_kl), all_gather_rows(ref[2])
+                ref = (ref[0], ref[1], ref_kl)
         loss, metrics = preference_loss(self.cfg, policy, lengths, ref, policy_kl)
         return loss, metrics, policy, lengths, ref
 
@@ -384,6 +389,10 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     run directory (config.yaml, data_report.json, metrics.jsonl, checkpoints/, final/)."""
     cfg.validate()
     unpaired = is_unpaired(cfg.data, cfg.loss)  # KTO's prompt/completion/label rows; other losses stop here
+    if unpaired and cfg.dist.strategy != "none":
+        # KTORun (fixed unpaired batches, their KL rows scored in advance) has no data-parallel path yet.
+        raise ValueError(f"loss=kto on an unpaired file cannot run with dist.strategy={cfg.dist.strategy}; "
+                         "use preference pairs or dist.strategy=none")
     seed_everything(cfg.train.seed)
     ctx, model_section = join_processes(cfg.dist, cfg.model)
     if model is None:

@@ -82,7 +82,7 @@ from posttrain.trainers.train_state import Checkpointer
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Under torchrun: metrics that are each rank's part of a total (the others are averaged over the ranks).
-SUMMED_METRICS = frozenset({"num_samples", "reward/unscorable", "tokens/rollout_per_s", "tokens/train_per_s"})
+SUMMED_METRICS = frozenset({"num_samples", "dapo/kept_groups", "reward/unscorable", "tokens/rollout_per_s", "tokens/train_per_s"})
 
 
 @dataclass
@@ -311,12 +311,17 @@ def _advantages(run: RLRun, data: _Batch, behaviour: Tensor, ref: Tensor | None,
         if kl_tokens is not None:
             rewards = rewards - cfg.kl.beta * kl_tokens.sum(1)  # sequence reward shaped by its summed KL
         return ADVANTAGE_ESTIMATORS[algo.advantage](rewards, G), None, metrics
+    world = run.parallel.world if run.parallel is not None else 1
     if algo.advantage == "reinforce_pp":
-        adv, _ = ADVANTAGE_ESTIMATORS["reinforce_pp"](rewards, data.mask, gamma=1.0, per_token_kl=kl_tokens,
-                                                       kl_coef=cfg.kl.beta)
+        adv, returns = ADVANTAGE_ESTIMATORS["reinforce_pp"](rewards, data.mask, gamma=1.0, per_token_kl=kl_tokens,
+                                                             kl_coef=cfg.kl.beta)  # (B, L), (B, L)
+        if world > 1:
+            # The estimator whitened over this rank's tokens only: whiten the returns again with the mean and
+            # variance of every rank's scorable tokens, as one process whitens the whole batch.
+            scorable = ~torch.isnan(rewards)  # (B,)
+            adv = whiten_over_ranks(returns, data.mask.float() * scorable.unsqueeze(1))
         return adv, None, metrics
     ppo = cfg.ppo
-    world = run.parallel.world if run.parallel is not None else 1
     adv, returns = ppo_advantages(rewards, values, loss_mask, gamma=ppo.gamma, lam=ppo.lam,
                                   whiten=ppo.whiten_advantages and world == 1, per_token_kl=kl_tokens,
                                   kl_coef=cfg.kl.beta)

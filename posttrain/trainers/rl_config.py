@@ -296,13 +296,6 @@ class GRPOConfig:
             from posttrain.trainers.distributed import check_dist_options
 
             check_dist_options(self.dist, self.lora, self.quant, None)
-            # Refills are decided from the rewards a rank sees: ranks would draw different numbers of prompts.
-            _need(resolve_algorithm(self).advantage != "reinforce_pp",
-                  f"the reinforce_pp advantage whitens over the whole batch, which dist.strategy={self.dist.strategy} "
-                  "splits over the ranks; use a group estimator (grpo, dr_grpo, rloo) or dist.strategy=none")
-            _need(not resolve_algorithm(self).dynamic_sampling,
-                  f"dapo.dynamic_sampling cannot run with dist.strategy={self.dist.strategy} (each rank would refill "
-                  "on its own); set dapo.dynamic_sampling=false or dist.strategy=none")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from posttrain.algos import dapo_dynamic_sampling_mask, soft_overlong_penalty
+from posttrain.dist.env import all_gather_objects
 from posttrain.engine import LLM, SamplingParams
 from posttrain.errors import PosttrainError
 from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, compute_rewards, load_reward
@@ -356,17 +357,25 @@ def collect_rollout(
     Data-parallel: every rank draws the same `num_prompts` prompts and `shard` keeps this rank's (whole
     groups: a prompt's samples stay on one rank). `seed_base`: the prompt at place p of the step's draws
     is seeded with seed_base + p * n (the engine seeds sample i with seed + i), so a prompt gets the same
-    samples whichever rank, and whichever batch, it lands in."""
+    samples whichever rank, and whichever batch, it lands in.
+
+    Dynamic sampling under data parallelism decides on the global set of groups, as one process does: the
+    ranks all-gather which of their groups they keep, so every rank refills the same rounds; at the end they
+    all-gather their kept groups, take the first `num_prompts` by place (the single process's batch) and deal
+    them out strided again. A batch left short of `num_prompts` loses its last (count mod world size)
+    groups, so that every rank trains on the same number of groups."""
     stats = RolloutStats()
     drawn = 0  # prompts drawn this step, over all ranks: the place of the next one
+    placed: list[int] = []  # the place of each group of this rank's last round
 
     def one_round(n: int) -> RolloutBatch:
-        nonlocal drawn
+        nonlocal drawn, placed
         start = time.perf_counter()
         places = list(enumerate(source.sample(n), start=drawn))  # (place in the step, row)
         drawn += n
         if shard is not None:
             places = shard(places)
+        placed = [place for place, _ in places]
         seeds = [seed_base + place * params.n for place, _ in places] if seed_base is not None else None
         batch = generate_groups(llm, [row for _, row in places], params, seeds)
         stats.rollout_s += time.perf_counter() - start
@@ -381,24 +390,46 @@ def collect_rollout(
     stats.zero_variance_frac = float(zero_var.float().mean())
     if not dynamic_sampling:
         return batch, stats
-    kept = [batch.select_groups([g for g in range(batch.num_groups) if not zero_var[g]])]
-    stats.dropped_groups = int(zero_var.sum())
-    have = kept[0].num_groups
+    kept: list[RolloutBatch] = []
+    kept_places: list[int] = []  # the place of each group of `kept`, in order
+    have = 0  # groups kept so far, over every rank
+
+    def keep(round_batch: RolloutBatch, zero: torch.Tensor) -> None:
+        nonlocal have
+        groups = [g for g in range(round_batch.num_groups) if not zero[g]]
+        kept.append(round_batch.select_groups(groups))
+        kept_places.extend(placed[g] for g in groups)
+        # (kept, dropped) summed over the ranks: every rank then takes the same refill decisions.
+        mine = (len(groups), int(zero.sum()))
+        counts = all_gather_objects(mine) if shard is not None else [mine]
+        have += sum(c[0] for c in counts)
+        stats.dropped_groups += sum(c[1] for c in counts)
+
+    keep(batch, zero_var)
     while have < num_prompts and stats.refill_rounds < max_refill_rounds:
         keep_rate = max(have / (num_prompts + stats.extra_prompts), 0.25)  # sample extra for the expected drop
         n = min(num_prompts, math.ceil((num_prompts - have) / keep_rate))
         stats.refill_rounds += 1
         stats.extra_prompts += n
         extra = one_round(n)
-        extra_zero = zero_variance_groups(extra.rewards, params.n)
-        stats.dropped_groups += int(extra_zero.sum())
-        kept.append(extra.select_groups([g for g in range(extra.num_groups) if not extra_zero[g]]))
-        have += kept[-1].num_groups
+        keep(extra, zero_variance_groups(extra.rewards, params.n))
     kept = [b for b in kept if b.num_groups]
-    if not kept:
+    merged = concat_batches(kept) if kept else None
+    if shard is None:
+        if merged is None:
+            return None, stats
+        return merged.select_groups(list(range(min(num_prompts, merged.num_groups)))), stats
+    # Every rank's kept groups, ordered by place: the single process's kept batch; its first num_prompts.
+    ranks = all_gather_objects((merged, kept_places))
+    gathered = [(place, rank_batch, g) for rank_batch, places in ranks
+                if rank_batch is not None for g, place in enumerate(places)]
+    gathered.sort(key=lambda item: item[0])  # (place, the rank's kept batch, the group's index in it)
+    take = min(num_prompts, len(gathered))
+    take -= take % len(ranks)  # the same number of whole groups on every rank
+    mine = shard(gathered[:take])
+    if not mine:
         return None, stats
-    merged = concat_batches(kept)
-    return merged.select_groups(list(range(min(num_prompts, merged.num_groups)))), stats
+    return concat_batches([b.select_groups([g]) for _, b, g in mine]), stats
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -1,0 +1,55 @@
+"""On-policy distillation data-parallel on CPU (gloo): 2 torchrun processes against 1 on the same prompts.
+
+Each rank samples its share of every micro-batch's prompts with its own engine over the live student;
+`seed_prompts=true` seeds each prompt's request from (train.seed, step, its place among the step's prompts),
+so a prompt gets the same completion on whichever rank it lands. Two steps: the second samples from the
+student the first update wrote (gathered whole under FSDP2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.metrics import read_metrics
+from posttrain.models.checkpoint_io import read_safetensors
+from posttrain.trainers.distill import DistillConfig, train_distill
+from tests.data.tiny import save_tiny_model_dir
+from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.trainers.pref_helpers import config, setup_dir
+
+TOLERANCE = 1e-5
+STEP = ["mode=on_policy", "seed_prompts=true", "max_new_tokens=6", "train.batch_size=4", "train.grad_accum=2",
+        "train.max_steps=2", "optim.lr=1e-2", "loss=jsd", "data.eval_fraction=0"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("distill-on-policy-dist")
+    student, data = setup_dir(root, seed=0)
+    return student, save_tiny_model_dir(root / "teacher", seed=1), data
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny, tmp_path_factory) -> Path:
+    student, teacher, data = tiny
+    return train_distill(config(DistillConfig, student, data, tmp_path_factory.mktemp("one") / "run",
+                                f"teacher.name_or_path={teacher}", *STEP))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_sample_and_distill_as_one(strategy, tiny, one_process, tmp_path):
+    student, teacher, data = tiny
+    out = tmp_path / "run"
+    torchrun(2, ["distill", f"model.name_or_path={student}", f"teacher.name_or_path={teacher}", f"data.path={data}",
+                 f"out={out}", "train.progress=false", f"dist.strategy={strategy}", *STEP])
+    got, want = read_metrics(out), read_metrics(one_process)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for mine, theirs in zip(got, want):
+        # The same samples (completion-token count) and the same update.
+        assert mine["loss_tokens"] == theirs["loss_tokens"] > 0, mine["step"]
+        for key in ("loss", "grad_norm"):
+            assert abs(mine[key] - theirs[key]) <= TOLERANCE * max(1.0, abs(theirs[key])), (mine["step"], key)
+    reference = final_weights(one_process)
+    assert max_difference(read_safetensors(student), reference) > 1e-3  # the steps moved the weights
+    assert max_difference(final_weights(out), reference) <= TOLERANCE

@@ -1,0 +1,85 @@
+"""GRPO-family variants with batch-wide statistics, data-parallel on CPU (gloo): 2 torchrun processes against 1
+over the same prompts (seeded per prompt with `rollout.seed_prompts`, as in test_grpo_parallel.py).
+
+reinforce_pp whitens its returns over the whole batch: the ranks all-reduce the mean and variance of every
+rank's tokens, so the advantages, the loss and the update are those of the single process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.metrics import read_metrics
+from posttrain.models.checkpoint_io import read_safetensors, save_hf_dir
+from posttrain.trainers.rl import train_grpo
+from posttrain.trainers.rl_config import GRPOConfig
+from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    """4 prompts x 4 samples a step, micro-batches of one group; optim.eps=1e-3 for the reason given in
+    test_grpo_parallel.py (AdamW's first step on rounding-level gradients of rare tokens)."""
+    root = tmp_path_factory.mktemp("grpo-variants")
+    tok = tokenizer()
+    model = save_hf_dir(tiny_model(tok), root / "model", tokenizer=tok)
+    return [f"model.name_or_path={model}", f"reward.functions=[{reward_file(root)}:char_mix]",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
+            "rollout.seed_prompts=true", "train.micro_batch_size=4", "train.max_steps=2",
+            "optim.lr=1e-2", "optim.eps=1e-3", "data.eval_size=0", "log.progress=false"]
+
+
+def _compare(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for mine, theirs in zip(got, want):
+        assert mine["num_samples"] == theirs["num_samples"]
+        for key in keys:
+            assert abs(mine[key] - theirs[key]) <= TOLERANCE * max(1.0, abs(theirs[key])), (mine["step"], key)
+
+
+@pytest.fixture(scope="module")
+def reinforce_pp_one(base, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rpp-one") / "run"
+    return train_grpo(load_config(GRPOConfig, None, [*base, "algorithm=reinforce_pp", f"out={out}"]))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_whiten_reinforce_pp_as_one(strategy, base, reinforce_pp_one, tmp_path):
+    out = tmp_path / "run"
+    torchrun(2, ["grpo", *base, "algorithm=reinforce_pp", f"out={out}", f"dist.strategy={strategy}"])
+    got, want = read_metrics(out), read_metrics(reinforce_pp_one)
+    assert len(want) == 2 and want[0]["num_samples"] == 16
+    _compare(got, want, ("reward/mean", "response_len/mean", "loss", "grad_norm"))
+    reference = final_weights(reinforce_pp_one)
+    model_dir = Path(next(o for o in base if o.startswith("model.")).split("=", 1)[1])
+    assert max_difference(read_safetensors(model_dir), reference) > 1e-3  # the steps moved the weights
+    assert max_difference(final_weights(out), reference) <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def dapo_one(base, tmp_path_factory) -> tuple[list[str], Path]:
+    """DAPO with dynamic sampling and a reward that is 0 for every sample of an odd-answer prompt: those
+    groups have no variance, are dropped, and the batch is refilled from further prompts."""
+    root = tmp_path_factory.mktemp("dapo-one")
+    extra = ["algorithm=dapo", f"reward.functions=[{reward_file(root)}:parity_gated]", "dapo.max_refill_rounds=3",
+             "dapo.overlong_cache_len=2"]
+    args = [*(o for o in base if not o.startswith("reward.functions=")), *extra]
+    return args, train_grpo(load_config(GRPOConfig, None, [*args, f"out={root / 'run'}"]))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_drop_and_refill_the_groups_of_one(strategy, dapo_one, tmp_path):
+    args, one = dapo_one
+    out = tmp_path / "run"
+    torchrun(2, ["grpo", *args, f"out={out}", f"dist.strategy={strategy}"])
+    got, want = read_metrics(out), read_metrics(one)
+    assert sum(r["dapo/dropped_groups"] for r in want) > 0 and sum(r["dapo/refill_rounds"] for r in want) >= 1
+    # The same refill decisions (taken on every rank's groups), the same kept groups, the same update.
+    _compare(got, want, ("dapo/dropped_groups", "dapo/refill_rounds", "dapo/extra_prompts", "dapo/kept_groups",
+                         "reward/mean", "response_len/mean", "loss", "grad_norm"))
+    assert max_difference(final_weights(out), final_weights(one)) <= TOLERANCE
