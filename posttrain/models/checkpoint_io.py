@@ -118,6 +118,17 @@ def read_hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(hf, source=str(config_file))
 
 
+def read_our_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """`read_safetensors` under our module names; a tensor with no name of ours is a CheckpointError."""
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in read_safetensors(path).items():
+        name = hf_to_ours(hf_name)
+        if name is None:
+            raise CheckpointError(f"{path}: unexpected tensor {hf_name!r}")
+        tensors[name] = tensor
+    return tensors
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF directory: model.safetensors, or the shards named by its index."""
     single = path / "model.safetensors"

@@ -81,10 +81,9 @@ def gptq_quantize(
         importance = torch.where(columns >= 0, energy[columns.clamp(min=0)], 0.0)  # padding costs nothing
         return search_clip(w, scheme, importance, source)
 
+    G = scheme.num_groups(K)
     static = act_order or group == K  # per-channel grids are fixed from the whole row up front
-    scales = zeros = None
     if static:
-        G = scheme.num_groups(K)
         columns = F.pad(torch.arange(K), (0, G * group - K), value=-1).view(G, group)
         scales, zeros = grid(grouped_view(W, group), columns)  # (N, G)
     order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(K)
@@ -92,7 +91,6 @@ def gptq_quantize(
     group_of = (order // group).tolist()  # the (original) group of each column, in sweep order
 
     U = _inverse_cholesky_upper(H, damp, source).float()  # (K, K): row j = H^-1 of columns j.. , scaled
-    G = scheme.num_groups(K)
     if not static:
         scales = torch.empty(N, G, dtype=scheme.scale_dtype)
         zeros = None if scheme.symmetric else torch.empty(N, G, dtype=scheme.scale_dtype)

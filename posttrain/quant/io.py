@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from posttrain.errors import CheckpointError
-from posttrain.models.checkpoint_io import hf_to_ours, ours_to_hf, read_hf_config, read_safetensors, save_hf_dir
+from posttrain.models.checkpoint_io import ours_to_hf, read_hf_config, read_our_tensors, save_hf_dir
 from posttrain.models.transformer import Transformer
 from posttrain.quant.linear import QuantizedLinear, replace_module
 from posttrain.quant.schemes import FORMAT_VERSION, INT4_LAYOUT, QUANT_METHOD, SCHEMES, QuantScheme
@@ -86,12 +86,7 @@ def load_quantized_dir(
     source = str(path / "config.json")
     cfg = read_hf_config(path)
     scheme = scheme_from_config(cfg.extra.get("quantization_config"), source)
-    tensors = {}
-    for hf_name, tensor in read_safetensors(path).items():
-        name = hf_to_ours(hf_name)
-        if name is None:
-            raise CheckpointError(f"{path}: unexpected tensor {hf_name!r}")
-        tensors[name] = tensor
+    tensors = read_our_tensors(path)
     model = Transformer(cfg, device="meta")
     quantized = sorted(n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight"))
     if not quantized:

@@ -36,7 +36,7 @@ from posttrain.dist.checkpoint import is_sharded_checkpoint, load_sharded, save_
 from posttrain.dist.env import barrier, is_main
 from posttrain.dist.parallel import Parallel
 from posttrain.errors import CheckpointError
-from posttrain.models.checkpoint_io import hf_to_ours, read_safetensors
+from posttrain.models.checkpoint_io import hf_to_ours, read_our_tensors
 from posttrain.peft import active_adapter, load_lora_state_dict
 from posttrain.peft.peft_format import KEY_PREFIX, LORA_SUFFIXES, read_adapter_tensors
 from posttrain.trainers.adapters import has_adapters, save_trained
@@ -203,12 +203,7 @@ def load_trained_weights(model: nn.Module, path: str | Path) -> None:
         load_lora_state_dict(model, state, source=str(path))
         loaded = set(state)
     else:
-        state = {}
-        for key, tensor in read_safetensors(path).items():
-            ours = hf_to_ours(key)
-            if ours is None:
-                raise CheckpointError(f"{path}: unexpected tensor {key!r}")
-            state[ours] = tensor
+        state = read_our_tensors(path)
         result = model.load_state_dict(state, strict=False)
         tied = model.lm_head.weight is model.embed_tokens.weight if hasattr(model, "lm_head") else False
         missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
