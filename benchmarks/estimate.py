@@ -183,7 +183,7 @@ def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp
     cfg = GRPOConfig()
     group = cfg.rollout.samples_per_prompt
     # The engine's KV pool with data.eval_size=0: max_num_seqs = the rollout batch, each sequence
-    # max_prompt_tokens + max_tokens long, in whole 16-token blocks (posttrain.trainers.rl._engine_config).
+    # max_prompt_tokens + max_tokens long, in whole 16-token blocks (posttrain.trainers.rl_run.engine_config).
     seqs = cfg.rollout.prompts_per_step * group
     kv_tokens = seqs * math.ceil((cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens) / 16) * 16
     best: dict[str, Any] = {}

@@ -12,6 +12,11 @@ so that both see the same load on a shared machine. Prints per-step times, then 
 with the median process CPU seconds per step too (`*_cpu_s`, `speedup_cpu`): on a shared machine
 they say more about the code than wall time does.
 
+posttrain runs twice side by side: with its defaults (`posttrain_s`: groups whose advantages are all
+zero are left out of the update, which does not change the weights) and with that skip turned off
+(`posttrain_full_s`, `speedup_full`: every sample through the update, as TRL does), so the
+ratio with the same work per step is reported too.
+
     .venv/bin/python benchmarks/grpo_step.py [--steps 4] [--only posttrain|trl]
 """
 
@@ -40,7 +45,7 @@ def prompt_batches(steps: int) -> list[list[dict]]:
     return [task.sample(PROMPTS) for _ in range(steps)]
 
 
-def setup_posttrain(out: Path):
+def setup_posttrain(out: Path, skip_zero_advantage: bool = True):
     from posttrain.config import load_config
     from posttrain.trainers.rl import setup_run
     from posttrain.trainers.rl_config import GRPOConfig
@@ -50,12 +55,12 @@ def setup_posttrain(out: Path):
         f"rollout.max_tokens={MAX_TOKENS}", "rollout.temperature=1.0", "kl.beta=0.0", "train.epochs=1",
         f"optim.lr={LR}", "optim.max_grad_norm=1.0", "optim.betas=[0.9, 0.999]", "data.task=arithmetic",
         f"data.seed={SEED}", "data.eval_size=0", f"train.seed={SEED}", "log.progress=false", f"out={out}",
-        "save_final=false",
+        "save_final=false", f"train.skip_zero_advantage={str(skip_zero_advantage).lower()}",
     ])
     return setup_run(cfg, "grpo")  # its ArithmeticTask(seed=0) draws the same prompts as prompt_batches()
 
 
-def posttrain_step(run, times: list[float], cpu_times: list[float]) -> None:  # noqa: ANN001 (RLRun)
+def posttrain_step(run, times: list[float], cpu_times: list[float], label: str = "posttrain") -> None:  # noqa: ANN001
     from posttrain.trainers.rl import rl_step
 
     start, cpu = time.perf_counter(), time.process_time()
@@ -63,8 +68,8 @@ def posttrain_step(run, times: list[float], cpu_times: list[float]) -> None:  # 
     times.append(time.perf_counter() - start)
     cpu_times.append(time.process_time() - cpu)
     split = {k[5:-2]: round(v, 1) for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s"}
-    print(f"posttrain step {len(times)}: {times[-1]:.1f}s (cpu {cpu_times[-1]:.1f}s) {split} "
-          f"reward={metrics['reward/mean']:.3f} "
+    print(f"{label} step {len(times)}: {times[-1]:.1f}s (cpu {cpu_times[-1]:.1f}s) {split} "
+          f"reward={metrics['reward/mean']:.3f} skipped_groups={metrics.get('update/skipped_group_frac', 0):.2f} "
           f"load={load_average()}", flush=True)
 
 
@@ -127,29 +132,38 @@ def main() -> None:
     if args.steps < 3:
         parser.error("--steps must be >= 3 (the median of fewer is not a step time)")
     result: dict[str, object] = {"threads": torch.get_num_threads(), "load_before": load_average()}
-    ours: list[float] = []
-    ours_cpu: list[float] = []
+    # label -> (step times, CPU times); "posttrain" with its defaults, "posttrain_full" computing every group
+    ours: dict[str, tuple[list[float], list[float]]] = {"posttrain": ([], []), "posttrain_full": ([], [])}
     with tempfile.TemporaryDirectory() as tmp:
-        run = setup_posttrain(Path(tmp) / "posttrain") if args.only != "trl" else None
+        runs = {}
+        if args.only != "trl":
+            runs = {label: setup_posttrain(Path(tmp) / label, skip_zero_advantage=label == "posttrain")
+                    for label in ours}
+
+        def posttrain_steps() -> None:
+            for label, run in runs.items():
+                posttrain_step(run, *ours[label], label=label)
+
         if args.only == "posttrain":
             for _ in range(args.steps):
-                posttrain_step(run, ours, ours_cpu)
+                posttrain_steps()
         else:
-            # Alternate the two (a posttrain step after each TRL step) so both see the same machine load.
-            between = (lambda: posttrain_step(run, ours, ours_cpu)) if run is not None else None
-            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", between)
+            # Alternate the frameworks (posttrain steps after each TRL step) so all see the same machine load.
+            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", posttrain_steps if runs else None)
             result["trl_s"] = round(statistics.median(trl), 2)
             result["trl_steps_s"] = [round(t, 2) for t in trl]
             result["trl_cpu_s"] = round(statistics.median(trl_cpu), 2)
-        if ours:
-            result["posttrain_s"] = round(statistics.median(ours), 2)
-            result["posttrain_steps_s"] = [round(t, 2) for t in ours]
-            result["posttrain_cpu_s"] = round(statistics.median(ours_cpu), 2)
+        for label, run in runs.items():
+            times, cpu_times = ours[label]
+            result[f"{label}_s"] = round(statistics.median(times), 2)
+            result[f"{label}_steps_s"] = [round(t, 2) for t in times]
+            result[f"{label}_cpu_s"] = round(statistics.median(cpu_times), 2)
             run.logger.close()
     if "posttrain_s" in result and "trl_s" in result:
-        result["speedup"] = round(result["trl_s"] / result["posttrain_s"], 2)
-        # process CPU seconds per step: less sensitive to what else the machine runs than wall time
-        result["speedup_cpu"] = round(result["trl_cpu_s"] / result["posttrain_cpu_s"], 2)
+        for label, suffix in (("posttrain", ""), ("posttrain_full", "_full")):
+            result[f"speedup{suffix}"] = round(result["trl_s"] / result[f"{label}_s"], 2)
+            # process CPU seconds per step: less sensitive to what else the machine runs than wall time
+            result[f"speedup{suffix}_cpu"] = round(result["trl_cpu_s"] / result[f"{label}_cpu_s"], 2)
     result["load_after"] = load_average()
     print(json.dumps(result))
 

@@ -147,6 +147,10 @@ class TrainSection:
     #   recompute - always the extra no-grad pass
     #   rollout   - the engine's sampling logprobs (same weights, paged kernel; no extra pass)
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+    # Leave groups whose advantages are all zero out of the update's forward/backward when their gradient
+    # is exactly zero (outcome advantages; no KL loss, entropy bonus, value or router loss). The gradient
+    # is unchanged; entropy / clip / mismatch metrics then cover the samples that train.
+    skip_zero_advantage: bool = True
     # Truncated importance sampling against the engine's logprobs (behaviour policy):
     # each token's loss is weighted by min(pi_old / pi_engine, tis_cap). None: off.
     tis_cap: float | None = None

@@ -1,0 +1,199 @@
+"""An RL run: everything one training run holds (`RLRun`), and `setup_run`, which checks the config, data
+and reward functions before any compute, then loads the model, the engine over it, the optimizer and
+the run directory."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.dist.env import is_main
+from posttrain.dist.parallel import Parallel
+from posttrain.engine import LLM, EngineConfig, SamplingParams
+from posttrain.errors import ConfigError, PosttrainError
+from posttrain.metrics import MetricsLogger
+from posttrain.rewards import RewardSpec
+from posttrain.trainers.adapters import has_adapters, prepare_trainable
+from posttrain.trainers.distributed import join_processes
+from posttrain.trainers.faults import BadStepGuard
+from posttrain.trainers.optim import build_optimizer
+from posttrain.trainers.ppo import ValueHead, save_value_head
+from posttrain.trainers.resume import open_run
+from posttrain.trainers.rl_batch import PackedGroups, packed_forward
+from posttrain.trainers.rl_config import (
+    ResolvedAlgorithm,
+    RLConfig,
+    batch_sizes,
+    rank_batch_sizes,
+    resolve_algorithm,
+    validate_tree,
+)
+from posttrain.trainers.rollout import (
+    OverlongShaping,
+    PromptSource,
+    check_prompt_lengths,
+    data_columns,
+    load_reward_specs,
+    make_prompt_source,
+)
+from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.train_state import Checkpointer
+
+
+@dataclass
+class RLRun:
+    """Everything one training run holds; built by `setup_run`, advanced by `rl_step`."""
+
+    cfg: RLConfig
+    algo: ResolvedAlgorithm
+    run_dir: Path
+    model: nn.Module
+    tokenizer: Any
+    llm: LLM
+    source: PromptSource
+    specs: list[RewardSpec]
+    held_out: list[dict[str, Any]]
+    params: SamplingParams
+    overlong: OverlongShaping | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    trainable: list[nn.Parameter]
+    logger: MetricsLogger | None  # None on torchrun ranks other than 0
+    value_head: ValueHead | None = None
+    reference: nn.Module | None = None  # a frozen copy; None with beta == 0 or with LoRA (base = adapters off)
+    optimizer_steps: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    guard: BadStepGuard | None = None  # counts skipped (non-finite) updates; set by setup_run
+    checkpointer: Checkpointer | None = None  # set by setup_run
+    start_step: int = 0  # RL steps already done: > 0 when resumed from a checkpoint
+    parallel: Parallel | None = None  # set by setup_run: the policy as torchrun's ranks share it
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.cfg.kl.beta > 0
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def engine_config(cfg: RLConfig) -> EngineConfig:
+    """The engine section, with max_model_len / max_num_seqs sized to the rollout when left at defaults."""
+    engine = dataclasses.replace(cfg.rollout.engine)
+    defaults = EngineConfig()
+    eval_tokens = cfg.eval.max_tokens or cfg.rollout.max_tokens
+    if engine.max_model_len is None:
+        engine.max_model_len = cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_tokens, eval_tokens)
+    if engine.max_num_seqs == defaults.max_num_seqs:  # a rollout (or a held-out evaluation) in one wave
+        engine.max_num_seqs = min(defaults.max_num_seqs, max(batch_sizes(cfg)[0], cfg.data.eval_size))
+        engine.max_num_batched_tokens = max(engine.max_num_batched_tokens, engine.max_num_seqs)
+    engine.validate()
+    return engine
+
+
+def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokenizer: Any = None) -> RLRun:
+    """Check everything that can be checked without compute (config, data, reward signatures), then
+    load the model, build the engine over it, the optimizer and the run directory."""
+    validate_tree(cfg)
+    algo = resolve_algorithm(cfg)
+    dist_section = cfg.dist
+    ctx, model_section = join_processes(dist_section, cfg.model)
+    source = make_prompt_source(cfg.data)
+    columns = data_columns(source)
+    specs = load_reward_specs(cfg.reward, cfg.data, source, columns)
+    held_out = source.held_out(cfg.data.eval_size) if cfg.data.eval_size else []
+    if (model is None) != (tokenizer is None):
+        raise PosttrainError("pass both model= and tokenizer= (or neither, to load model.name_or_path)")
+    start = open_run(command, cfg)  # an occupied --out fails here, before the model loads
+    run_dir = start.run_dir
+    if model is None:
+        from posttrain.models.hub import load_model
+
+        model, tokenizer = load_model(model_section.name_or_path, dtype=model_section.dtype, device=model_section.device)
+    check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
+    # Each rank's unseeded rollouts draw from their own stream (rank 0's is the single-process one).
+    torch.manual_seed(cfg.train.seed + ctx.rank)
+    prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)  # adapters (over a quantized base with quant)
+    reference = None
+    if cfg.kl.beta > 0 and not has_adapters(model):
+        reference = copy.deepcopy(model).eval().requires_grad_(False)  # a whole frozen copy on every rank
+    value_head = None
+    if algo.uses_value_head:  # PPO's critic on the policy trunk; DDP reduces its gradients with the trunk's
+        value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
+    beside = {"value_head": value_head} if value_head is not None else None
+    # Before the optimizer: FSDP2 replaces the Parameters by shards.
+    parallel = Parallel(model, dist_section, ctx, beside=beside)
+    try:
+        rank_batch_sizes(cfg, parallel.world)  # every rank the same whole groups, minibatches and micro-batches
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    optim = cfg.optim
+    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
+    if value_head is not None:  # its own group: a fresh head learns at its own (higher) rate
+        optimizer.add_param_group({"params": list(value_head.parameters()),
+                                   "lr": cfg.ppo.value_lr or optim.lr * 100, "weight_decay": 0.0})
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    batch, minibatch, _ = batch_sizes(cfg)
+    total = cfg.train.max_steps * cfg.train.epochs * (batch // minibatch)  # optimizer steps
+    scheduler = build_scheduler(optimizer, total_steps=total, schedule=optim.schedule,
+                                warmup_steps=warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
+                                min_lr_ratio=optim.min_lr_ratio)
+    with parallel.full_weights():
+        llm = LLM(model=model, tokenizer=tokenizer, config=engine_config(cfg))
+    params = SamplingParams(
+        n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens, logprobs=True,
+    )
+    overlong = None
+    if algo.overlong_penalty:
+        overlong = OverlongShaping(cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard) if is_main() else None
+    run = RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
+                optimizer, scheduler, trainable, logger, value_head, reference,
+                guard=BadStepGuard(cfg.train.max_bad_steps), parallel=parallel)
+    # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
+    # copy was taken above from the initial weights, before any restore.
+    run.checkpointer = Checkpointer(
+        command, run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+        modules={"value_head": value_head} if value_head is not None else {},
+        state={"prompts": source, "faults": run.guard, "counters": _Counters(run)},
+        keep_last=cfg.train.keep_checkpoints,
+        write_extras=(lambda d: save_value_head(value_head, d)) if value_head is not None else None,
+        parallel=parallel,
+    )
+    if start.checkpoint is not None:
+        run.start_step = run.checkpointer.restore(start.checkpoint)
+    return run
+
+
+def policy_forward(run: RLRun, module: nn.Module, pack: PackedGroups, **kwargs: Any) -> Any:
+    """packed_forward of `module`; the policy goes through its DDP / FSDP2 wrapper, a frozen copy does not."""
+    temperature = run.cfg.rollout.temperature
+    if module is run.model and run.parallel is not None:
+        return run.parallel.run(lambda m, p: packed_forward(m, p, temperature, **kwargs), pack)
+    return packed_forward(module, pack, temperature, **kwargs)
+
+
+class _Counters:
+    """The run's optimizer-step count and the engine's policy version, as checkpoint state."""
+
+    def __init__(self, run: RLRun) -> None:
+        self.run = run
+
+    def state_dict(self) -> dict[str, int]:
+        return {"optimizer_steps": self.run.optimizer_steps, "policy_version": self.run.llm.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run.optimizer_steps = int(state["optimizer_steps"])
+        # The engine's version only counts up; on a fresh, idle engine each bump just clears an empty cache.
+        while self.run.llm.policy_version < int(state["policy_version"]):
+            self.run.llm.weights_updated()
