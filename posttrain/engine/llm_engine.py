@@ -21,6 +21,7 @@ from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
 from posttrain.errors import PosttrainError
+from posttrain.models.decode_staging import release_staging
 
 
 @dataclass
@@ -175,6 +176,7 @@ class LLMEngine:
         except BaseException:
             # Blocks published for this step hold no valid K/V now.
             self.block_manager.reset_prefix_cache()
+            release_staging()
             raise
         self.num_steps += 1
         self.num_processed_tokens += batch.num_batched_tokens
@@ -201,6 +203,8 @@ class LLMEngine:
                 outputs.append(self._request_output(request))
             elif request.stream:
                 outputs.append(self._request_output(request))
+        if not self.requests:  # idle: the decode kernel's staged K/V copies are not needed until the next wave
+            release_staging()
         return outputs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -323,6 +327,7 @@ class LLMEngine:
             return
         self.block_manager.reset_prefix_cache()
         self.runner.free_kv_cache()
+        release_staging()
         self.asleep = True
 
     def wake(self) -> None:

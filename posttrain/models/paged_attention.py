@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.models.attention import PagedAttentionMetadata
+from posttrain.models.decode_staging import StagingPlan, staging
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -60,7 +61,7 @@ def paged_attention(
     plan = _plan_for(meta, cache.shape[2])
     out = torch.empty_like(q)  # (N, H, D)
     if plan.decode is not None:
-        out.index_copy_(0, plan.decode.token_rows, _decode_attend(q, cache, plan.decode))
+        out.index_copy_(0, plan.decode.token_rows, _decode_attend(q, k, v, cache, plan.decode, layer_idx))
     if plan.prefill is not None:
         out.index_copy_(0, plan.prefill.token_rows, _prefill_attend(q, cache, plan.prefill))
     return out
@@ -158,6 +159,8 @@ class _DecodePlan:
     members_per_group: int = 0  # M
     member_slot: torch.Tensor | None = None  # (Sc,) slot (g * M + j) of each grouped decode sequence
     grouped: torch.Tensor | None = None  # (Sc,) index into the decode sequences of each grouped one
+    # The suffixes kept gathered across steps (decode_staging); None: gather them this step.
+    staging: StagingPlan | None = None
 
 
 @dataclass
@@ -199,13 +202,14 @@ def _build_plan(meta: PagedAttentionMetadata, block_size: int) -> _Plan:
     decode = [s for s, n in enumerate(query_lens) if n == 1]
     prefill = [s for s, n in enumerate(query_lens) if n > 1]
     return _Plan(
-        _decode_plan(decode, starts, context_lens, tables, block_size) if decode else None,
+        _decode_plan(decode, starts, context_lens, tables, block_size, meta.kv_caches) if decode else None,
         _prefill_plan(prefill, starts, query_lens, context_lens, tables, block_size) if prefill else None,
     )
 
 
 def _decode_plan(
-    seqs: list[int], starts: list[int], context_lens: list[int], tables: torch.Tensor, block_size: int
+    seqs: list[int], starts: list[int], context_lens: list[int], tables: torch.Tensor, block_size: int,
+    kv_caches: list[torch.Tensor],
 ) -> _DecodePlan:
     ctx = [context_lens[s] for s in seqs]
     table = tables[seqs] if len(seqs) != tables.shape[0] else tables  # (Sd, W)
@@ -250,6 +254,7 @@ def _decode_plan(
         suffix_blocks=torch.tensor(suffix_blocks, device=device),  # (Sd, Bs)
         suffix_mask=_length_mask(suffix_lens, suffix_width * block_size, device),
     )
+    plan.staging = staging().plan(kv_caches, plan.suffix_blocks, suffix_lens, shared, block_size)
     if cascade:
         M = max(len(members) for members, _ in cascade)
         Bp = max(n for _, n in cascade)
@@ -341,14 +346,19 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out, lse  # (B, Hkv, M, D), (B, Hkv, M)
 
 
-def _decode_attend(q: torch.Tensor, cache: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
-    """-> (Sd, H, D) for the decode sequences, in plan order."""
+def _decode_attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: torch.Tensor,
+                   plan: _DecodePlan, layer_idx: int) -> torch.Tensor:
+    """-> (Sd, H, D) for the decode sequences, in plan order; k_new / v_new (N, Hkv, D) this step's K/V."""
     _, H, D = q.shape
     hkv = cache.shape[3]
     G = H // hkv  # query heads per K/V head
     Sd = plan.token_rows.shape[0]
     queries = q.index_select(0, plan.token_rows).view(Sd, hkv, G, D)  # (Sd, Hkv, G, D): heads as query rows
-    k, v = _gather(cache, plan.suffix_blocks, "suffix")
+    if plan.staging is not None:
+        k, v = staging().keys_values(layer_idx, cache, plan.staging, plan.suffix_blocks,
+                                     k_new.index_select(0, plan.token_rows), v_new.index_select(0, plan.token_rows))
+    else:
+        k, v = _gather(cache, plan.suffix_blocks, "suffix")
     out, lse = _flash(queries, k, v, plan.suffix_mask)  # (Sd, Hkv, G, D), (Sd, Hkv, G)
     if plan.group_blocks is not None:
         M = plan.members_per_group
@@ -373,7 +383,6 @@ def _prefill_attend(q: torch.Tensor, cache: torch.Tensor, plan: _PrefillPlan) ->
     _, H, D = q.shape
     hkv = cache.shape[3]
     k, v = _gather(cache, plan.blocks, "prefill")  # (Sp, Hkv, L, D)
-    Sp = plan.blocks.shape[0]
     flat = q.index_select(0, plan.token_rows)  # (Np, H, D)
     queries = pad_queries(flat, plan.query_lens, plan.max_query_len)  # (Sp, H, Q, D)
     out = F.scaled_dot_product_attention(

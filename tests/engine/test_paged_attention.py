@@ -102,3 +102,50 @@ def test_paged_model_path_matches_dense() -> None:
             for s in range(3):
                 dense = model.hidden_states(torch.tensor([prompt + tails[s][: step + 1]]))[0, -1]
                 torch.testing.assert_close(hidden[s], dense, atol=1e-5, rtol=1e-5)
+
+
+def test_staged_decode_matches_reference_across_steps() -> None:
+    """Decode steps that carry the gathered suffixes over (decode_staging): appends, block boundaries,
+    a sequence leaving, suffixes outgrowing the staged room. Every step equals the reference, in two
+    layers, and most steps only append."""
+    from posttrain.models.decode_staging import release_staging
+    from posttrain.models.paged_attention import _plan_for
+
+    torch.manual_seed(0)
+    release_staging()
+    free = list(range(1, 200))
+    prompt_len = 6  # one full block shared by a group's samples, then each sample's own blocks
+    seqs = []
+    for _ in range(2):
+        shared = free.pop(0)
+        for _ in range(3):
+            seqs.append({"table": [shared, free.pop(0)], "len": prompt_len})
+    fast = [torch.randn(2, 200, BS, HKV, D) for _ in range(2)]
+    ref = [c.clone() for c in fast]
+    extended = 0
+    for step in range(40):
+        if step == 15:
+            seqs.pop(1)  # a sequence finishes: the next step gathers afresh
+        for seq in seqs:
+            if seq["len"] % BS == 0:
+                seq["table"].append(free.pop(0))
+            seq["len"] += 1
+        width = max(len(s["table"]) for s in seqs)
+        tables = torch.tensor([s["table"] + [0] * (width - len(s["table"])) for s in seqs])
+        slots = torch.tensor([s["table"][(s["len"] - 1) // BS] * BS + (s["len"] - 1) % BS for s in seqs])
+        ctx = torch.tensor([s["len"] for s in seqs])
+        S = len(seqs)
+        meta = PagedAttentionMetadata(fast, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1)  # one per step
+        for layer in range(2):
+            q, k, v = torch.randn(S, H, D), torch.randn(S, HKV, D), torch.randn(S, HKV, D)
+            out = paged_attention(q, k, v, meta, layer)
+            expected = reference_paged_attention(
+                q, k, v, PagedAttentionMetadata(ref, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1), layer)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        plan = _plan_for(meta, BS).decode
+        assert plan.staging is not None
+        extended += plan.staging.extends is not None
+        if step in (0, 15):
+            assert plan.staging.extends is None, step
+    assert extended >= 30, extended  # rebuilt only at the start, after the leave, and when the room ran out
+    release_staging()
