@@ -335,9 +335,6 @@ class PPOConfig:
             from posttrain.trainers.distributed import check_dist_options
 
             check_dist_options(self.dist, self.lora, self.quant, None)
-            _need(not resolve_algorithm(self).dynamic_sampling,
-                  f"dapo.dynamic_sampling cannot run with dist.strategy={self.dist.strategy} (each rank would refill "
-                  "on its own); set dapo.dynamic_sampling=false or dist.strategy=none")
 
 
 RLConfig = GRPOConfig | PPOConfig

@@ -44,3 +44,21 @@ def test_two_ddp_processes_take_the_ppo_steps_of_one(overrides, tmp_path):
     assert max_difference(final_weights(two), final_weights(one)) <= TOLERANCE
     heads = [load_file(str(run / "final" / VALUE_HEAD_FILE)) for run in (one, two)]
     assert max_difference(*heads) <= TOLERANCE
+
+
+def test_two_ddp_processes_drop_and_refill_ppo_groups_as_one(overrides, tmp_path):
+    """DAPO's dynamic sampling inside PPO: the ranks take the refill decisions on every rank's groups (the code
+    GRPO uses), so the kept groups, the GAE advantages and the updates are the single process's."""
+    args = [*overrides, f"reward.functions=[{reward_file(tmp_path)}:parity_gated]", "dapo.dynamic_sampling=true",
+            "dapo.max_refill_rounds=2"]
+    one = train_ppo(load_config(PPOConfig, None, [*args, f"out={tmp_path / 'one'}"]))
+    two = tmp_path / "two"
+    torchrun(2, ["ppo", *args, f"out={two}", "dist.strategy=ddp"])
+    got, want = read_metrics(two), read_metrics(one)
+    assert sum(r["dapo/dropped_groups"] for r in want) > 0
+    for mine, theirs in zip(got, want):
+        for key in ("dapo/dropped_groups", "dapo/refill_rounds", "dapo/kept_groups", "num_samples"):
+            assert mine[key] == theirs[key], (mine["step"], key)
+        for key in ("reward/mean", "loss", "grad_norm"):
+            assert abs(mine[key] - theirs[key]) <= TOLERANCE * max(1.0, abs(theirs[key])), (mine["step"], key)
+    assert max_difference(final_weights(two), final_weights(one)) <= TOLERANCE
