@@ -12,7 +12,7 @@ from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.trainers.ppo import VALUE_HEAD_FILE, train_ppo
 from posttrain.trainers.rl_config import PPOConfig
-from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
 TOLERANCE = 1e-5

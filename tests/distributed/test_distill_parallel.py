@@ -16,7 +16,7 @@ from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.distill import DistillConfig, train_distill
 from tests.data.tiny import save_tiny_model_dir
-from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.trainers.pref_helpers import config, setup_dir
 
 TOLERANCE = 1e-5

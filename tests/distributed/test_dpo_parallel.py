@@ -9,7 +9,7 @@ import pytest
 from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.dpo import DPOConfig, train_dpo
-from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.trainers.pref_helpers import config, setup_dir
 
 TOLERANCE = 1e-5

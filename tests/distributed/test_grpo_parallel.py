@@ -17,7 +17,7 @@ from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors, save_hf_dir
 from posttrain.trainers.rl import train_grpo
 from posttrain.trainers.rl_config import GRPOConfig
-from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
 TOLERANCE = 1e-5

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from posttrain.metrics import read_metrics
 from posttrain.trainers.reward_model import RMConfig, train_reward_model
-from tests.dist.launch import final_weights, max_difference, torchrun
+from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.trainers.pref_helpers import config, setup_dir
 
 TOLERANCE = 1e-5

@@ -16,7 +16,7 @@ from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.sft import SFTConfig, train_sft
 from tests.data.tiny import save_tiny_model_dir
-from tests.dist.launch import ROOT, final_weights, losses, max_difference, torchrun
+from tests.distributed.launch import ROOT, final_weights, losses, max_difference, torchrun
 
 QA = [
     ("What is two plus three?", "Two plus three is five."),
