@@ -38,6 +38,7 @@ class StagingPlan:
     key: int  # this step's identity
     extends: int | None  # the key of the previous step when this one only adds a token per sequence
     capacity: int  # tokens per sequence in the buffers
+    width: int  # tokens per sequence this step attends (its suffix blocks x block size)
     rows: torch.Tensor  # (Sd,) 0..Sd-1
     newest: torch.Tensor  # (Sd,) where each sequence's newest token sits in its suffix
 
@@ -85,8 +86,8 @@ class SuffixStaging:
         key = next(self._keys)
         self.previous = _Previous(pool, key, capacity, blocks, list(lengths), list(shared))
         device = blocks.device
-        return StagingPlan(key, extends, capacity, torch.arange(len(lengths), device=device),
-                           torch.tensor(lengths, device=device) - 1)
+        return StagingPlan(key, extends, capacity, blocks.shape[1] * block_size,
+                           torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1)
 
     @staticmethod
     def _same_leading_blocks(prev: _Previous, blocks: torch.Tensor, block_size: int) -> bool:
@@ -96,34 +97,34 @@ class SuffixStaging:
         used = torch.arange(width)[None, :] * block_size < torch.tensor(prev.lengths)[:, None]  # (Sd, Bs_prev)
         return bool(((blocks[:, :width] == prev.blocks) | ~used.to(blocks.device)).all())
 
-    def keys_values(self, layer: int, cache: torch.Tensor, plan: StagingPlan, blocks: torch.Tensor,
-                    k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's suffix K and V as (Sd, Hkv, Bs * block_size, D) views of its staged buffer.
-
-        cache (2, num_blocks, block_size, Hkv, D) with this step's K/V already written;
-        k_new / v_new (Sd, Hkv, D): the decode sequences' newest K/V, in plan order.
-        """
-        _, num_blocks, bs, hkv, d = cache.shape
-        Sd, W = blocks.shape
+    def append(self, layer: int, plan: StagingPlan, k_new: torch.Tensor, v_new: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """When this layer's buffer holds the previous step's suffixes and this step extends it: write the
+        decode sequences' newest K/V (Sd, Hkv, D), in plan order, and return the suffix K and V as
+        (Sd, Hkv, L, D) views of the buffer (L = `width` tokens). Otherwise None: gather, then `store`."""
         held = self.buffers.get(layer)
-        if plan.extends is not None and held is not None and held[0] == plan.extends:
-            buffer = held[1]
-            buffer[0].index_put_((plan.rows, plan.newest), k_new.to(buffer.dtype))
-            buffer[1].index_put_((plan.rows, plan.newest), v_new.to(buffer.dtype))
-        else:
-            shape = (2, Sd, plan.capacity, hkv, d)
-            if held is not None and held[1].shape == shape and held[1].dtype == cache.dtype:
-                buffer = held[1]
-            else:
-                # Zeros: positions past a suffix are masked, but a masked NaN would still poison the sums.
-                self.buffers.pop(layer, None)
-                buffer = torch.zeros(shape, dtype=cache.dtype, device=cache.device)
-            flat = cache.view(2, num_blocks, bs * hkv * d)
-            gathered = flat[:, blocks.reshape(-1)].view(2, Sd, W * bs, hkv, d)
-            buffer[:, :, : W * bs] = gathered
+        if plan.extends is None or held is None or held[0] != plan.extends:
+            return None
+        buffer = held[1]
+        buffer[0].index_put_((plan.rows, plan.newest), k_new.to(buffer.dtype))
+        buffer[1].index_put_((plan.rows, plan.newest), v_new.to(buffer.dtype))
         self.buffers[layer] = (plan.key, buffer)
-        view = buffer[:, :, : W * bs]  # (2, Sd, L, Hkv, D)
-        return view[0].transpose(1, 2), view[1].transpose(1, 2)  # (Sd, Hkv, L, D) each
+        view = buffer[:, :, : plan.width]  # (2, Sd, L, Hkv, D)
+        return view[0].transpose(1, 2), view[1].transpose(1, 2)
+
+    def store(self, layer: int, plan: StagingPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep this step's gathered suffixes k, v (Sd, Hkv, L, D) as this layer's buffer for the next step."""
+        Sd, hkv, L, d = k.shape
+        shape = (2, Sd, plan.capacity, hkv, d)
+        held = self.buffers.pop(layer, None)
+        if held is not None and held[1].shape == shape and held[1].dtype == k.dtype:
+            buffer = held[1]
+        else:
+            # Zeros: positions past a suffix are masked, but a masked NaN would still poison the sums.
+            buffer = torch.zeros(shape, dtype=k.dtype, device=k.device)
+        buffer[0, :, :L] = k.transpose(1, 2)
+        buffer[1, :, :L] = v.transpose(1, 2)
+        self.buffers[layer] = (plan.key, buffer)
 
 
 _local = threading.local()

@@ -354,11 +354,16 @@ def _decode_attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ca
     G = H // hkv  # query heads per K/V head
     Sd = plan.token_rows.shape[0]
     queries = q.index_select(0, plan.token_rows).view(Sd, hkv, G, D)  # (Sd, Hkv, G, D): heads as query rows
+    staged = None
     if plan.staging is not None:
-        k, v = staging().keys_values(layer_idx, cache, plan.staging, plan.suffix_blocks,
-                                     k_new.index_select(0, plan.token_rows), v_new.index_select(0, plan.token_rows))
+        staged = staging().append(layer_idx, plan.staging, k_new.index_select(0, plan.token_rows),
+                                  v_new.index_select(0, plan.token_rows))
+    if staged is not None:
+        k, v = staged
     else:
         k, v = _gather(cache, plan.suffix_blocks, "suffix")
+        if plan.staging is not None:
+            staging().store(layer_idx, plan.staging, k, v)
     out, lse = _flash(queries, k, v, plan.suffix_mask)  # (Sd, Hkv, G, D), (Sd, Hkv, G)
     if plan.group_blocks is not None:
         M = plan.members_per_group

@@ -56,12 +56,12 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     L = max(lengths)
     mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).float().to(run.device)  # (B, L)
     return StepBatch(packs, slices, mask, _pad(batch.rollout_logprobs, L, run.device), batch.rewards.to(run.device),
-                  batch.prompt_ids, groups)
+                     batch.prompt_ids, groups)
 
 
 @torch.no_grad()
 def scoring_pass(run: RLRun, data: StepBatch, module: nn.Module, with_values: bool,
-                  base_only: bool = False) -> tuple[Tensor, Tensor | None]:
+                 base_only: bool = False) -> tuple[Tensor, Tensor | None]:
     """(B, L) logprobs (and values) of `module` over the whole batch, no grad."""
     B, L = data.mask.shape
     logprobs = torch.zeros(B, L, device=run.device)
@@ -91,8 +91,8 @@ def _share(aggregation: str, mask: Tensor, totals: dict[str, float]) -> float:
 
 
 def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tensor | None, ref: Tensor | None,
-            old_values: Tensor | None, returns: Tensor | None, loss_mask: Tensor,
-            timer: StepTimer) -> tuple[dict[str, float], int]:
+                  old_values: Tensor | None, returns: Tensor | None, loss_mask: Tensor,
+                  timer: StepTimer) -> tuple[dict[str, float], int]:
     """Epochs x minibatches of optimizer steps; returns the metrics and the tokens processed."""
     cfg, algo = run.cfg, run.algo
     parallel = run.parallel
@@ -135,7 +135,7 @@ def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tens
                     Lm = pack.max_len
                     mask = loss_mask[rows, :Lm]
                     out = policy_forward(run, run.model, pack, with_entropy=True,
-                                          entropy_grad=cfg.loss.entropy_coef > 0, value_head=run.value_head)
+                                         entropy_grad=cfg.loss.entropy_coef > 0, value_head=run.value_head)
                     logprobs = out.logprobs  # (b, Lm)
                     old_m = old[rows, :Lm] if old is not None else logprobs.detach()
                     adv_m = adv[rows] if adv.dim() == 1 else adv[rows, :Lm]
