@@ -3,6 +3,7 @@ so data and trainer tests run in milliseconds without the default model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -68,3 +69,22 @@ def tiny_model(seed: int = 0) -> Transformer:
 def save_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
     """An HF directory (weights, config, tokenizer) that load_model and transformers both load."""
     return save_hf_dir(tiny_model(seed), directory, tokenizer=tiny_tokenizer())
+
+
+# Eight question / answer rows in the corpus's words: the SFT tests' data.
+QA = [
+    ("What is two plus three?", "Two plus three is five."),
+    ("What color is the sky?", "The sky is blue."),
+    ("What is the answer?", "The answer is 42."),
+    ("Hello!", "Hello! How can I help you today?"),
+    ("How many clips did Natalia sell in April?", "Natalia sold 48 clips in April."),
+    ("And in May?", "She sold half as many clips in May."),
+    ("What color is the grass?", "The grass is green."),
+    ("Who are you?", "You are a helpful assistant. I help."),
+]
+
+
+def write_qa_jsonl(path: Path) -> Path:
+    """QA as a JSONL file with `question` and `answer` columns."""
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QA))
+    return path

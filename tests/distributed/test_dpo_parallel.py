@@ -1,4 +1,10 @@
-"""DPO data-parallel on CPU (gloo): 2 torchrun processes against 1 on the same global batch of pairs."""
+"""DPO and paired KTO data-parallel on CPU (gloo): 2 torchrun processes against 1 on the same global batch
+of pairs.
+
+KTO's KL reference point z0 is a mean over the micro-batch's mismatched rows; each rank gathers the other
+ranks' KL logps so it clamps the same z0 as one process. z0 is 0 while the policy equals the reference, so
+the KTO run takes 2 steps: the second has a moved policy and a non-zero z0.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,10 @@ from tests.trainers.pref_helpers import config, setup_dir
 
 TOLERANCE = 1e-5
 # A global batch of 4 pairs x 2 accumulation steps; each rank takes 2 pairs of every micro-batch.
-STEP = ["train.batch_size=4", "train.grad_accum=2", "train.max_steps=1", "optim.lr=1e-2", "optim.warmup_ratio=0",
-        "data.eval_fraction=0", "beta=0.5"]
+BATCH = ["train.batch_size=4", "train.grad_accum=2", "optim.lr=1e-2", "optim.warmup_ratio=0", "data.eval_fraction=0",
+         "beta=0.5"]
+DPO_STEP = [*BATCH, "train.max_steps=1"]
+KTO_STEPS = [*BATCH, "loss=kto", "train.max_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -23,23 +31,49 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     return setup_dir(tmp_path_factory.mktemp("dpo-dist"))
 
 
-@pytest.fixture(scope="module")
-def one_process(data, tmp_path_factory) -> Path:
+def _one_process(data: tuple[Path, Path], out: Path, args: list[str]) -> Path:
     model, pairs = data
-    return train_dpo(config(DPOConfig, model, pairs, tmp_path_factory.mktemp("one") / "run", *STEP))
+    return train_dpo(config(DPOConfig, model, pairs, out, *args))
+
+
+def _two_processes(data: tuple[Path, Path], out: Path, strategy: str, args: list[str]) -> Path:
+    model, pairs = data
+    torchrun(2, ["dpo", f"model.name_or_path={model}", f"data.path={pairs}", f"out={out}", "train.progress=false",
+                 f"dist.strategy={strategy}", *args])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo_one(data, tmp_path_factory) -> Path:
+    return _one_process(data, tmp_path_factory.mktemp("dpo-one") / "run", DPO_STEP)
+
+
+@pytest.fixture(scope="module")
+def kto_one(data, tmp_path_factory) -> Path:
+    return _one_process(data, tmp_path_factory.mktemp("kto-one") / "run", KTO_STEPS)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_take_the_dpo_step_of_one(strategy, data, one_process, tmp_path):
-    model, pairs = data
-    out = tmp_path / "run"
-    torchrun(2, ["dpo", f"model.name_or_path={model}", f"data.path={pairs}", f"out={out}", "train.progress=false",
-                 f"dist.strategy={strategy}", *STEP])
+def test_two_processes_take_the_dpo_step_of_one(strategy, data, dpo_one, tmp_path):
+    out = _two_processes(data, tmp_path / "run", strategy, DPO_STEP)
     [got] = read_metrics(out)
-    [want] = read_metrics(one_process)
+    [want] = read_metrics(dpo_one)
     assert got["pairs"] == want["pairs"] == 8 and got["tokens"] == want["tokens"]
     for key in ("loss", "grad_norm", "rewards/margins", "nll/chosen"):
         assert abs(got[key] - want[key]) <= TOLERANCE * max(1.0, abs(want[key])), key
-    reference = final_weights(one_process)
-    assert max_difference(read_safetensors(model), reference) > 1e-3  # the step moved the weights
+    reference = final_weights(dpo_one)
+    assert max_difference(read_safetensors(data[0]), reference) > 1e-3  # the step moved the weights
     assert max_difference(final_weights(out), reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_take_the_kto_steps_of_one(strategy, data, kto_one, tmp_path):
+    out = _two_processes(data, tmp_path / "run", strategy, KTO_STEPS)
+    got, want = read_metrics(out), read_metrics(kto_one)
+    assert len(got) == len(want) == 2
+    assert max(record["kl"] for record in want) > 1e-4  # z0 is in play, so a per-rank z0 would show
+    for g, w in zip(got, want):
+        assert g["pairs"] == w["pairs"] == 8
+        for key in ("loss", "kl", "grad_norm", "rewards/chosen"):
+            assert abs(g[key] - w[key]) <= TOLERANCE * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
+    assert max_difference(final_weights(out), final_weights(kto_one)) <= TOLERANCE

@@ -14,11 +14,11 @@ import pytest
 
 from posttrain.config import load_config
 from posttrain.metrics import read_metrics
-from posttrain.models.checkpoint_io import read_safetensors, save_hf_dir
+from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.rl import train_grpo
 from posttrain.trainers.rl_config import GRPOConfig
 from tests.distributed.launch import final_weights, max_difference, torchrun
-from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+from tests.distributed.rl_setup import rl_overrides
 
 TOLERANCE = 1e-5
 
@@ -26,19 +26,9 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def overrides(tmp_path_factory) -> list[str]:
     """4 prompts x 4 samples a step, micro-batches of one group (each rank accumulates 2 of them), a KL term
-    against a frozen reference copy, and a reward with spread inside every group.
-
-    optim.eps=1e-3: AdamW's first step is lr * g / (|g| + eps). Over this 49152-token tied vocabulary most
-    rows of the LM head get gradients at rounding level (~1e-10, rare tokens' probabilities); with eps=1e-8
-    each would take a near-full step whose size is set by the rounding of the summation order, which two
-    processes change. A larger eps keeps the comparison about the gradients themselves."""
-    root = tmp_path_factory.mktemp("grpo-dist")
-    tok = tokenizer()
-    model = save_hf_dir(tiny_model(tok), root / "model", tokenizer=tok)
-    return [f"model.name_or_path={model}", f"reward.functions=[{reward_file(root)}:char_mix]",
-            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
-            "rollout.seed_prompts=true", "train.micro_batch_size=4", "train.max_steps=2", "kl.beta=0.1",
-            "optim.lr=1e-2", "optim.eps=1e-3", "data.eval_size=0", "log.progress=false"]
+    against a frozen reference copy (the rest: tests/distributed/rl_setup.py)."""
+    return rl_overrides(tmp_path_factory.mktemp("grpo-dist"), "rollout.samples_per_prompt=4",
+                        "train.micro_batch_size=4", "kl.beta=0.1")
 
 
 @pytest.fixture(scope="module")

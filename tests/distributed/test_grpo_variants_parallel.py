@@ -12,26 +12,21 @@ import pytest
 
 from posttrain.config import load_config
 from posttrain.metrics import read_metrics
-from posttrain.models.checkpoint_io import read_safetensors, save_hf_dir
+from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.rl import train_grpo
 from posttrain.trainers.rl_config import GRPOConfig
 from tests.distributed.launch import final_weights, max_difference, torchrun
-from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+from tests.distributed.rl_setup import rl_overrides
+from tests.trainers.rl_helpers import reward_file
 
 TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
-    """4 prompts x 4 samples a step, micro-batches of one group; optim.eps=1e-3 for the reason given in
-    test_grpo_parallel.py (AdamW's first step on rounding-level gradients of rare tokens)."""
-    root = tmp_path_factory.mktemp("grpo-variants")
-    tok = tokenizer()
-    model = save_hf_dir(tiny_model(tok), root / "model", tokenizer=tok)
-    return [f"model.name_or_path={model}", f"reward.functions=[{reward_file(root)}:char_mix]",
-            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
-            "rollout.seed_prompts=true", "train.micro_batch_size=4", "train.max_steps=2",
-            "optim.lr=1e-2", "optim.eps=1e-3", "data.eval_size=0", "log.progress=false"]
+    """4 prompts x 4 samples a step, micro-batches of one group (the rest: tests/distributed/rl_setup.py)."""
+    return rl_overrides(tmp_path_factory.mktemp("grpo-variants"), "rollout.samples_per_prompt=4",
+                        "train.micro_batch_size=4")
 
 
 def _compare(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:

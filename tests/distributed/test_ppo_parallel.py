@@ -9,11 +9,11 @@ from safetensors.torch import load_file
 
 from posttrain.config import load_config
 from posttrain.metrics import read_metrics
-from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.trainers.ppo import VALUE_HEAD_FILE, train_ppo
 from posttrain.trainers.rl_config import PPOConfig
 from tests.distributed.launch import final_weights, max_difference, torchrun
-from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+from tests.distributed.rl_setup import rl_overrides
+from tests.trainers.rl_helpers import reward_file
 
 TOLERANCE = 1e-5
 
@@ -21,14 +21,9 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def overrides(tmp_path_factory) -> list[str]:
     """4 prompts x 2 samples a step in 2 minibatches (so the no-grad pass for pi_old and V runs, and two
-    optimizer steps per rollout); optim.eps=1e-3 as in test_grpo_parallel (rounding-level LM-head gradients)."""
-    root = tmp_path_factory.mktemp("ppo-dist")
-    tok = tokenizer()
-    model = save_hf_dir(tiny_model(tok), root / "model", tokenizer=tok)
-    return [f"model.name_or_path={model}", f"reward.functions=[{reward_file(root)}:char_mix]",
-            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_tokens=6",
-            "rollout.seed_prompts=true", "train.epochs=1", "train.minibatch_size=4", "train.max_steps=2",
-            "optim.lr=1e-2", "optim.eps=1e-3", "data.eval_size=0", "log.progress=false"]
+    optimizer steps per rollout; the rest: tests/distributed/rl_setup.py)."""
+    return rl_overrides(tmp_path_factory.mktemp("ppo-dist"), "rollout.samples_per_prompt=2", "train.epochs=1",
+                        "train.minibatch_size=4")
 
 
 def test_two_ddp_processes_take_the_ppo_steps_of_one(overrides, tmp_path):

@@ -3,7 +3,6 @@ on 1 process. Each multi-process run is a real `torchrun ... -m posttrain sft` (
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,19 +14,9 @@ from posttrain.config import load_config
 from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.sft import SFTConfig, train_sft
-from tests.data.tiny import save_tiny_model_dir
+from tests.data.tiny import save_tiny_model_dir, write_qa_jsonl
 from tests.distributed.launch import ROOT, final_weights, losses, max_difference, torchrun
 
-QA = [
-    ("What is two plus three?", "Two plus three is five."),
-    ("What color is the sky?", "The sky is blue."),
-    ("What is the answer?", "The answer is 42."),
-    ("Hello!", "Hello! How can I help you today?"),
-    ("How many clips did Natalia sell in April?", "Natalia sold 48 clips in April."),
-    ("And in May?", "She sold half as many clips in May."),
-    ("What color is the grass?", "The grass is green."),
-    ("Who are you?", "You are a helpful assistant. I help."),
-]
 TOLERANCE = 1e-5
 
 
@@ -36,8 +25,7 @@ def config_file(tmp_path_factory) -> Path:
     """A YAML config over a tiny random model and 8 rows: a global batch of 4 rows x 2 accumulation steps."""
     root = tmp_path_factory.mktemp("sft-dist")
     model_dir = save_tiny_model_dir(root / "model")
-    data = root / "qa.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QA))
+    data = write_qa_jsonl(root / "qa.jsonl")
     config = root / "sft.yaml"
     config.write_text(
         f"model: {{name_or_path: {model_dir}}}\n"

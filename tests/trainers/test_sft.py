@@ -18,19 +18,9 @@ from posttrain.models.checkpoint_io import ours_to_hf
 from posttrain.models.hub import load_model
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.sft import SFTConfig, sft_loss_sum, train_sft
-from tests.data.tiny import save_tiny_model_dir, tiny_tokenizer
+from tests.data.tiny import QA, save_tiny_model_dir, tiny_tokenizer, write_qa_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-QA = [
-    ("What is two plus three?", "Two plus three is five."),
-    ("What color is the sky?", "The sky is blue."),
-    ("What is the answer?", "The answer is 42."),
-    ("Hello!", "Hello! How can I help you today?"),
-    ("How many clips did Natalia sell in April?", "Natalia sold 48 clips in April."),
-    ("And in May?", "She sold half as many clips in May."),
-    ("What color is the grass?", "The grass is green."),
-    ("Who are you?", "You are a helpful assistant. I help."),
-]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +30,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "qa.jsonl"
-    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QA))
-    return path
+    return write_qa_jsonl(tmp_path_factory.mktemp("data") / "qa.jsonl")
 
 
 def chat_rows(n: int = len(QA)):
