@@ -1,5 +1,6 @@
-"""`posttrain estimate`: the formulas against hand-computed numbers on a tiny config, the activation
-count against the tensors autograd really keeps, ZeRO sharding, the JSON output and bad arguments."""
+"""`posttrain estimate`: the formulas against hand-computed numbers on a tiny config, the activation and
+loss-head count of every trainer against the tensors autograd really keeps, ZeRO sharding, the JSON output
+and bad arguments."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import pytest
 import torch
 
 from posttrain.cli import main
+from posttrain.data.tokenize import TokenizedRow
 from posttrain.errors import PosttrainError
 from posttrain.estimate import Architecture, TrainingSetup, estimate_memory, estimate_time
 from posttrain.estimate.memory import activations_bytes, kv_cache_bytes, layer_bytes_per_token, weights_bytes
+from posttrain.estimate.trainer_rules import loss_head
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
+from posttrain.trainers.preference_data import PairRow
 
 # d=64, f=160, H=4, Hkv=2, D=16, V=100, 2 layers, tied: small enough to count by hand.
 TINY = Architecture(layers=2, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=100,
@@ -141,6 +145,149 @@ def test_grpo_activations_count_the_packed_rows_and_their_mask() -> None:
     assert activations_bytes(TINY, setup) == measured
 
 
+# ----------------------------------------------------------------------------- every trainer's forward
+
+
+def _tiny(method: str, dtype: torch.dtype) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config()).to(dtype)
+    if method == "lora":
+        from posttrain.peft import LoraConfig, apply_lora
+
+        apply_lora(model, LoraConfig(r=4))
+    return model
+
+
+def _row(prompt: int, completion: int, first: int = 1) -> TokenizedRow:
+    """A tokenized row of `prompt` tokens without a target and `completion` tokens with one."""
+    ids = list(range(first, first + prompt + completion))
+    return TokenizedRow(ids, [-100] * prompt + ids[prompt:])
+
+
+def _pairs(prompt: int, completion: int) -> list[PairRow]:
+    """Two preference pairs whose four rows have the same length, so every row has `completion` targets."""
+    return [PairRow(_row(prompt, completion, 1), _row(prompt, completion, 30)),
+            PairRow(_row(prompt, completion, 50), _row(prompt, completion, 70))]
+
+
+def _measure_sft(model: Transformer) -> tuple[int, TrainingSetup]:
+    from posttrain.data.collate import collate
+    from posttrain.trainers.sft import sft_loss_sum
+
+    batch = collate([_row(5, 7, 1), _row(5, 7, 40), _row(5, 7, 80)], 0)
+    return _saved_bytes(model, lambda: sft_loss_sum(model, batch)), TrainingSetup(batch=3, seq_len=12, prompt_len=5)
+
+
+def _measure_dpo(model: Transformer) -> tuple[int, TrainingSetup]:
+    """sequence_logps and the sigmoid loss, with precomputed (here: zero) reference log-probs."""
+    from posttrain.trainers.dpo import DPOConfig, collate_pairs, preference_loss, sequence_logps
+
+    batch = collate_pairs(_pairs(5, 7), 0)
+
+    def forward() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logps, lengths = sequence_logps(model, batch)  # (4,), (4,)
+        return preference_loss(DPOConfig(), logps, lengths, (torch.zeros(2), torch.zeros(2), None), None)
+
+    # logsigmoid keeps its (B,) fp32 input and buffer: per pair, not per token, and not counted
+    return _saved_bytes(model, forward) - 2 * 4 * 2, TrainingSetup(trainer="dpo", batch=2, seq_len=12, prompt_len=5)
+
+
+def _measure_rm(model: Transformer) -> tuple[int, TrainingSetup]:
+    from posttrain.algos.reward import bradley_terry_loss
+    from posttrain.trainers.reward_model import RewardModel, new_score_head, pair_scores
+
+    rm = RewardModel(model, new_score_head(64, "cpu"))
+    measured = _saved_bytes(rm, lambda: bradley_terry_loss(*pair_scores(rm, _pairs(5, 7), 0)))
+    # as for DPO: the loss's logsigmoid keeps two fp32 (B,) vectors, not counted
+    return measured - 2 * 4 * 2, TrainingSetup(trainer="rm", batch=2, seq_len=12)
+
+
+def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
+    """packed_forward as the update calls it (entropy as a metric; PPO with its value head). The policy and
+    value losses on the (B, L) outputs are not counted (docs/estimate.md says what they keep)."""
+    from posttrain.trainers.ppo import ValueHead
+    from posttrain.trainers.rl_batch import pack_groups, packed_forward
+
+    pack = pack_groups([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[[11, 12, 13, 14]] * 4, [[15, 16, 17, 18]] * 4])
+    head = ValueHead(64, model.dtype, model.device) if trainer == "ppo" else None
+    both = torch.nn.ModuleList([model] + ([head] if head is not None else []))  # the head's weights are no activations
+    measured = _saved_bytes(both, lambda: packed_forward(model, pack, 1.0, with_entropy=True, value_head=head))
+    return measured, TrainingSetup(trainer=trainer, batch=8, group_size=4, seq_len=9, prompt_len=5)
+
+
+@pytest.mark.parametrize("method, dtype", [("full", "float32"), ("lora", "float32"), ("full", "bfloat16"),
+                                           ("lora", "bfloat16")])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rm", "grpo", "ppo"])
+def test_trainer_forward_keeps_activations_plus_loss_head(trainer: str, method: str, dtype: str) -> None:
+    """Each trainer's own loss forward on a tiny model: the estimator's activations plus the loss head's kept
+    tensors are exactly the bytes autograd saves (the loss's per-pair scalars aside, see _measure_dpo)."""
+    model = _tiny(method, getattr(torch, dtype))
+    if trainer in ("grpo", "ppo"):
+        measured, shape = _measure_rl(model, trainer)
+    else:
+        measured, shape = {"sft": _measure_sft, "dpo": _measure_dpo, "rm": _measure_rm}[trainer](model)
+    setup = TrainingSetup(**{**vars(shape), "method": method, "lora_r": 4, "dtype": dtype})
+    assert activations_bytes(TINY, setup) + loss_head(TINY, setup).saved == measured
+
+
+def test_score_and_value_heads_by_hand() -> None:
+    # RM: the score head Linear(64, 1, bias=False) is fp32 whatever the model dtype
+    rm = estimate_memory(TINY, TrainingSetup(trainer="rm", dtype="bfloat16"))
+    assert rm.details["head_parameters"] == 64
+    assert (rm.weights_bytes, rm.grads_bytes) == (PARAMS * 2 + 64 * 4, PARAMS * 2 + 64 * 4)
+    assert rm.optimizer_bytes == PARAMS * 4 + 64 * 8
+    # an untied LM head is never run by the reward model: no gradient, no AdamW state, but still loaded
+    untied = Architecture(**{**vars(TINY), "tied_embeddings": False})
+    rm_untied = estimate_memory(untied, TrainingSetup(trainer="rm"))
+    assert rm_untied.details["trainable_parameters"] == untied.num_parameters - 100 * 64 + 64
+    assert rm_untied.weights_bytes == (untied.num_parameters + 64) * 4
+    # PPO: the value head Linear(64, 1) with bias, in the model dtype, trains in full beside LoRA adapters
+    ppo = estimate_memory(TINY, TrainingSetup(trainer="ppo", method="lora", lora_r=4, dtype="bfloat16"))
+    assert ppo.details["trainable_parameters"] == ADAPTERS_R4 + 65
+    assert ppo.weights_bytes == PARAMS * 2 + ADAPTERS_R4 * 2 + 65 * 2
+    mixed = estimate_memory(TINY, TrainingSetup(trainer="ppo", dtype="bfloat16", mixed=True))
+    assert mixed.optimizer_bytes == (PARAMS + 65) * 12
+
+
+def test_reference_copy_is_whole_on_every_device() -> None:
+    # DPO's and RL's references are deep copies taken before DDP / FSDP2 wrap the policy: ZeRO-3 shards
+    # the policy's weights, not the copy
+    sharded = estimate_memory(TINY, TrainingSetup(trainer="dpo", reference=True, zero=3, gpus=4))
+    assert sharded.reference_bytes == PARAMS * 4 and sharded.weights_bytes == PARAMS * 4 // 4
+    lora = estimate_memory(TINY, TrainingSetup(trainer="dpo", reference=True, method="lora", lora_r=4))
+    assert lora.reference_bytes == 0  # the base with its adapters off
+
+
+def test_dpo_live_reference_pass_holds_its_hidden_states_and_logits() -> None:
+    # the reference scores the 2B rows after the policy's forward: its (2B, T, d) hidden states and its
+    # (N, V) fp32 logits, against the (N, V) gradient at the start of backward without it
+    for method in ("full", "lora"):
+        base = TrainingSetup(trainer="dpo", method=method, lora_r=4, batch=2, seq_len=12, prompt_len=5)
+        live = TrainingSetup(**{**vars(base), "reference": True})
+        assert loss_head(TINY, live).peak - loss_head(TINY, base).peak == 4 * 12 * 64 * 4
+
+
+def test_time_of_each_trainer() -> None:
+    from posttrain.estimate.compute import forward_flops, train_flops
+
+    # RM: 2B = 4 rows of 10 tokens, causal; no LM head, the score head on each row's last state
+    rm = TrainingSetup(trainer="rm", batch=2, seq_len=10)
+    forward = 2 * LINEAR_PARAMS * 40 + 4 * 2 * 4 * 16 * (4 * 10 * 11 // 2) + 2 * 64 * 4
+    assert forward_flops(TINY, rm) == forward and train_flops(TINY, rm) == 3 * forward
+    # DPO: the LM head on 2B x completion targets; a live reference adds one no-grad forward
+    dpo = TrainingSetup(trainer="dpo", batch=2, seq_len=10, prompt_len=4)
+    assert forward_flops(TINY, dpo) == forward - 2 * 64 * 4 + 2 * 100 * 64 * 4 * 6
+    live = TrainingSetup(**{**vars(dpo), "reference": True})
+    assert train_flops(TINY, live) == 4 * forward_flops(TINY, dpo)
+    # PPO: GRPO's forward + the value head on every target, and its old-logprob / value pass
+    grpo = TrainingSetup(trainer="grpo", batch=8, group_size=4, seq_len=9, prompt_len=5)
+    ppo = TrainingSetup(**{**vars(grpo), "trainer": "ppo"})
+    assert forward_flops(TINY, ppo) == forward_flops(TINY, grpo) + 2 * 64 * 32
+    assert train_flops(TINY, ppo) == 4 * forward_flops(TINY, ppo)
+    ppo_kl = TrainingSetup(**{**vars(ppo), "reference": True})  # the reference has no value head
+    assert train_flops(TINY, ppo_kl) == train_flops(TINY, ppo) + forward_flops(TINY, grpo)
+
+
 def test_peak_rule_max_without_accumulation_sum_with() -> None:
     one = estimate_memory(TINY, TrainingSetup(batch=4, seq_len=64))
     two = estimate_memory(TINY, TrainingSetup(batch=4, seq_len=64, grad_accum=2))
@@ -186,6 +333,46 @@ def test_cli_params_and_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rollout KV cache" in text and "fits in one h100" in text
 
 
+def _cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["estimate", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_dpo_rm_ppo(capsys: pytest.CaptureFixture[str], default_model_dir: object) -> None:
+    shape = ("--batch", "2", "--seq-len", "128", "--prompt-len", "32")
+    dpo = _cli_json(capsys, "--trainer", "dpo", *shape)
+    for key in ("weights_bytes", "logits_bytes", "reference_bytes", "kv_cache_bytes", "head_parameters", "total_bytes"):
+        assert isinstance(dpo[key], int), key
+    assert dpo["trunk_tokens"] == 4 * 128 and dpo["logit_tokens"] == 4 * 96  # 2 pairs: 4 rows
+    assert dpo["reference_bytes"] == dpo["kv_cache_bytes"] == 0  # reference=precompute; no rollout
+    live = _cli_json(capsys, "--trainer", "dpo", "--reference", *shape)
+    assert live["reference_bytes"] == live["weights_bytes"]  # full fine-tuning: one more copy of the weights
+    assert live["total_bytes"] > dpo["total_bytes"]
+    assert _cli_json(capsys, "--trainer", "dpo", "--reference", "--method", "lora", *shape)["reference_bytes"] == 0
+
+    rm = _cli_json(capsys, "--trainer", "rm", *shape)
+    d = 576  # SmolLM2-135M's hidden size
+    assert rm["logit_tokens"] == 0 and rm["head_parameters"] == d
+    assert rm["logits_bytes"] == 4 * (2 * 8 + d * 4)  # the score head's rows and indices, no logits
+    assert rm["trunk_tokens"] == dpo["trunk_tokens"] and rm["activations_bytes"] == dpo["activations_bytes"]
+
+    rl = ("--batch", "8", "--group-size", "4", "--seq-len", "128", "--prompt-len", "32")
+    grpo, ppo = (_cli_json(capsys, "--trainer", t, *rl) for t in ("grpo", "ppo"))
+    assert ppo["kv_cache_bytes"] == grpo["kv_cache_bytes"] > 0
+    assert ppo["weights_bytes"] - grpo["weights_bytes"] == (d + 1) * 4  # the value head, fp32 on cpu
+    assert ppo["activations_bytes"] == grpo["activations_bytes"] and ppo["train_flops"] > grpo["train_flops"]
+
+
+def test_cli_unknown_trainer_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--trainer", "kto-ish"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'kto-ish'" in err and "'sft', 'dpo', 'rm', 'grpo', 'ppo'" in err
+    with pytest.raises(PosttrainError, match="trainer 'kto-ish' is not one of sft, dpo, rm, grpo, ppo"):
+        TrainingSetup(trainer="kto-ish")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--params", "7B"], "--params needs --layers and --hidden"),
     (["--layers", "4"], "use them with --params"),
@@ -195,6 +382,8 @@ def test_cli_params_and_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     (["--lora-targets", "q_proj,nope", "--method", "lora", "--params", "10M", "--layers", "2", "--hidden", "64"],
      "lora targets"),
     (["--model", "/no/such/model"], "no such file"),
+    (["--trainer", "rm", "--reference", "--params", "10M", "--layers", "2", "--hidden", "64"],
+     "the rm trainer has no reference model"),
 ])
 def test_cli_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", *argv]) == 2

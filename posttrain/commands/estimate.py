@@ -3,6 +3,7 @@
     posttrain estimate                                        # the default model, full fine-tuning, fp32 on CPU
     posttrain estimate --model runs/m --method lora --device h100 --batch 8 --seq-len 2048 --json
     posttrain estimate --params 7B --layers 32 --hidden 4096 --kv-heads 8 --vocab 128256 --zero 3 --gpus 8
+    posttrain estimate --trainer dpo --reference --batch 4 --seq-len 1024 --prompt-len 256 --json
 
 The formulas are in docs/estimate.md.
 """
@@ -17,6 +18,7 @@ from posttrain.errors import PosttrainError
 from posttrain.estimate import ALL_LINEARS, DEVICES, Architecture, TrainingSetup, estimate_memory, estimate_time
 from posttrain.estimate.compute import device_kind
 from posttrain.estimate.memory import weights_bytes
+from posttrain.estimate.trainer_rules import TRAINERS
 from posttrain.models.hub import DEFAULT_MODEL
 
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
@@ -71,16 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                        help="ZeRO / FSDP stage: 1 shards optimizer states, 2 also gradients, 3 also weights")
     train.add_argument("--gpus", type=int, default=1, help="devices the ZeRO stage shards over")
-    train.add_argument("--trainer", choices=("sft", "grpo"), default="sft",
-                       help="the loss head and whether there is a rollout (default sft)")
-    train.add_argument("--batch", type=int, default=1, help="sequences per micro-batch per device (default 1)")
+    train.add_argument("--trainer", choices=tuple(TRAINERS), default="sft",
+                       help="the rows through the model, the loss head, a score / value head (rm, ppo) and a "
+                            "rollout KV cache (grpo, ppo) (default sft)")
+    by_meaning: dict[str, list[str]] = {}  # dpo and rm both count pairs, grpo and ppo samples: say it once
+    for name, trainer in TRAINERS.items():
+        by_meaning.setdefault(trainer.batch, []).append(name)
+    batch_meaning = "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in by_meaning.items())
+    train.add_argument("--batch", type=int, default=1, help=f"per micro-batch per device (default 1): {batch_meaning}")
     train.add_argument("--seq-len", type=int, default=512, help="tokens per sequence, prompt + completion (default 512)")
     train.add_argument("--prompt-len", type=int, default=0, help="of --seq-len, tokens without loss (default 0)")
     train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    train.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt (default 8)")
-    train.add_argument("--rollout-seqs", type=int, default=None, help="grpo: sequences in the KV pool (default --batch)")
+    train.add_argument("--group-size", type=int, default=8, help="grpo / ppo: samples per prompt (default 8)")
+    train.add_argument("--rollout-seqs", type=int, default=None,
+                       help="grpo / ppo: sequences in the KV pool (default --batch)")
     train.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (overrides --rollout-seqs)")
-    train.add_argument("--reference", action="store_true", help="a frozen reference copy (KL, DPO); free with LoRA")
+    train.add_argument("--reference", action="store_true",
+                       help="a live frozen reference: grpo / ppo KL, dpo with reference=live (precompute needs none); "
+                            "a weights copy with full fine-tuning, the base with adapters off with LoRA; not rm")
     train.add_argument("--checkpointing", action="store_true",
                        help="total_bytes with activation checkpointing (both figures are always shown)")
 

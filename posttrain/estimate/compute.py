@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.errors import PosttrainError
-from posttrain.estimate.memory import Architecture, TrainingSetup, adapter_params, logit_tokens, trunk_tokens
+from posttrain.estimate.memory import Architecture, TrainingSetup, adapter_params
+from posttrain.estimate.trainer_rules import logit_tokens, rules, sequences, trunk_tokens
 
 DEFAULT_MFU = 0.4
 MIB, GIB = 2**20, 2**30
@@ -53,28 +54,51 @@ def device_kind(name: str) -> DeviceKind:
 
 
 def _attention_pairs(setup: TrainingSetup) -> int:
-    """(query, key) pairs attended in one micro-batch (causal; a packed GRPO row: every completion token
-    sees the prompt and its own earlier tokens)."""
-    if setup.trainer == "sft":
-        return setup.batch * setup.seq_len * (setup.seq_len + 1) // 2
-    rows, _ = trunk_tokens(setup)
+    """(query, key) pairs attended in one micro-batch: causal over each right-padded row (sft, dpo, rm), or
+    in a packed group's row (grpo, ppo) every completion token sees the prompt and its own earlier tokens."""
+    rows, width = trunk_tokens(setup)
+    if rules(setup).layout != "groups":
+        return rows * width * (width + 1) // 2
     p, c = setup.prompt_len, setup.completion_len - 1  # c: a completion's input tokens
     per_completion = c * p + c * (c + 1) // 2
     return rows * (p * (p + 1) // 2 + min(setup.group_size, setup.batch) * per_completion)
 
 
+def lm_head_flops(arch: Architecture, setup: TrainingSetup) -> int:
+    """The LM head on the target positions only: 2 V d each."""
+    return 2 * arch.vocab * arch.hidden * logit_tokens(setup)
+
+
+def scalar_head_flops(arch: Architecture, setup: TrainingSetup) -> int:
+    """A Linear(d, 1) head, 2 d per state it reads: RM's score head each row's last state, PPO's value head
+    every target's predicting state."""
+    head = rules(setup).scalar_head
+    if head is None:
+        return 0
+    return 2 * arch.hidden * (logit_tokens(setup) if head.per_target else sequences(setup))
+
+
 def forward_flops(arch: Architecture, setup: TrainingSetup) -> int:
-    """One forward of a micro-batch: 2 FLOPs per weight per token through the decoder linears, the LM
-    head on the target positions only, and QK^T + AV (4 x heads x head_dim per attended pair)."""
+    """One forward of a micro-batch: 2 FLOPs per weight per token through the decoder linears, the heads,
+    and QK^T + AV (4 x heads x head_dim per attended pair)."""
     rows, width = trunk_tokens(setup)
     linear = 2 * arch.linear_params * rows * width
-    head = 2 * arch.vocab * arch.hidden * logit_tokens(setup)
     attention = 4 * arch.layers * arch.heads * arch.head_dim * _attention_pairs(setup)
-    return linear + head + attention
+    return linear + lm_head_flops(arch, setup) + scalar_head_flops(arch, setup) + attention
+
+
+def scoring_flops(arch: Architecture, setup: TrainingSetup) -> int:
+    """No-grad forwards of a micro-batch besides the trained one: a live reference's (--reference with dpo,
+    grpo, ppo; it has no value head) and PPO's old log-probs and values (GAE needs V at the rollout's
+    weights, so ppo always runs it)."""
+    trainer = rules(setup)
+    fwd = forward_flops(arch, setup)
+    reference = fwd - scalar_head_flops(arch, setup) if setup.reference and trainer.reference_pass else 0
+    return reference + trainer.scoring_passes * fwd
 
 
 def train_flops(arch: Architecture, setup: TrainingSetup) -> int:
-    """One optimizer step: forward + backward for every micro-batch.
+    """One optimizer step: forward + backward for every micro-batch, and its no-grad scoring passes.
 
     Backward costs one forward for the activation gradients, and one more for the weight gradients when
     the weights train (full: 3x forward in all); LoRA adds only its adapters' weight gradients (6 FLOPs
@@ -86,14 +110,14 @@ def train_flops(arch: Architecture, setup: TrainingSetup) -> int:
     else:
         step = 2 * fwd + 6 * adapter_params(arch, setup) * rows * width
     if setup.checkpointing:
-        step += fwd - 2 * arch.vocab * arch.hidden * logit_tokens(setup)  # the head is not recomputed
-    return step * setup.grad_accum
+        step += fwd - lm_head_flops(arch, setup) - scalar_head_flops(arch, setup)  # heads: not recomputed
+    return (step + scoring_flops(arch, setup)) * setup.grad_accum
 
 
 def rollout_flops(arch: Architecture, setup: TrainingSetup) -> int:
-    """GRPO: generating the micro-batches' completions. Each prompt is prefilled once per group (prefix
-    caching), every generated token runs the decoder and the LM head."""
-    if setup.trainer != "grpo":
+    """GRPO / PPO: generating the micro-batches' completions. Each prompt is prefilled once per group
+    (prefix caching), every generated token runs the decoder and the LM head."""
+    if not rules(setup).rollout:
         return 0
     groups = -(-setup.batch // setup.group_size)
     tokens = groups * setup.prompt_len + setup.batch * setup.completion_len

@@ -2,9 +2,9 @@
 
 Every term is a closed formula over the shapes (docs/estimate.md writes them out). The activation
 term counts the tensors that autograd actually keeps for *our* model (posttrain.models: pre-norm
-RMSNorm computed in fp32, SDPA attention, SwiGLU) and *our* loss heads (posttrain.algos.logprobs), so
-it is a count, not a rule of thumb; tests/test_estimate.py checks it against the saved tensors of a
-tiny model, tensor by tensor.
+RMSNorm computed in fp32, SDPA attention, SwiGLU) and *our* trainers' loss heads (trainer_rules.py, one
+rule per trainer), so it is a count, not a rule of thumb; tests/test_estimate.py checks it against the
+saved tensors of a tiny model, tensor by tensor.
 
 Notation: d hidden, f intermediate, H / Hkv heads / KV heads, D head dim, V vocab, b bytes of the
 compute dtype, r LoRA rank.
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.errors import PosttrainError
+from posttrain.estimate.trainer_rules import TRAINERS, logit_tokens, loss_head, rules, trunk_tokens
 from posttrain.models.config import ModelConfig
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -28,11 +29,9 @@ ALL_LINEARS = ATTENTION_LINEARS + MLP_LINEARS
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "sgd": 1}  # AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer
 KV_BLOCK_TOKENS = 16  # the engine allocates its KV pool in blocks of this many tokens (EngineConfig.block_size)
-SFT_LOSS_CHUNK_ROWS = 1024  # chunked_cross_entropy's default chunk (the SFT loss)
-LOGPROB_CHUNK_TOKENS = 256  # token_logprobs' DEFAULT_CHUNK_TOKENS (the RL loss)
 
 Method = Literal["full", "lora", "qlora"]
-Trainer = Literal["sft", "grpo"]
+Trainer = Literal["sft", "dpo", "rm", "grpo", "ppo"]  # the keys of trainer_rules.TRAINERS
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -149,9 +148,9 @@ class TrainingSetup:
     mixed: bool = False  # fp32 master weights and fp32 optimizer states over half-precision weights
     zero: int = 0  # ZeRO / FSDP stage: 1 shards optimizer states, 2 also gradients, 3 also weights
     gpus: int = 1
-    batch: int = 1  # sequences (SFT rows; RL samples) per micro-batch
+    batch: int = 1  # per micro-batch: SFT sequences, DPO / RM pairs, RL samples (TrainerRules.batch)
     seq_len: int = 512  # tokens per sequence, prompt + completion
-    prompt_len: int = 0  # of seq_len: tokens with no loss (SFT completion-only loss; the RL prompt)
+    prompt_len: int = 0  # of seq_len: tokens with no loss (SFT completion-only loss; the DPO and RL prompt)
     grad_accum: int = 1  # micro-batches per optimizer step
     trainer: Trainer = "sft"
     group_size: int = 8  # RL: samples per prompt, packed into one row with the prompt once
@@ -161,7 +160,7 @@ class TrainingSetup:
     lora_targets: tuple[str, ...] = ALL_LINEARS
     quant_bits: int = 4  # QLoRA base
     quant_group: int = 64  # QLoRA: weights per fp16 scale
-    reference: bool = False  # a frozen reference copy (RL KL, DPO); with LoRA the base serves, no copy
+    reference: bool = False  # a live frozen reference (RL KL, DPO reference=live); with LoRA the base serves
     checkpointing: bool = False  # which activation figure goes into total_bytes
     overhead_bytes: int = 0  # the runtime's own memory (interpreter, libraries, CUDA context)
 
@@ -170,8 +169,10 @@ class TrainingSetup:
             raise PosttrainError(f"method {self.method!r} is not one of full, lora, qlora")
         if self.optimizer not in OPTIMIZER_STATES:
             raise PosttrainError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATES)}")
-        if self.trainer not in ("sft", "grpo"):
-            raise PosttrainError(f"trainer {self.trainer!r} is not one of sft, grpo")
+        if self.trainer not in TRAINERS:
+            raise PosttrainError(f"trainer {self.trainer!r} is not one of {', '.join(TRAINERS)}")
+        if self.reference and self.trainer == "rm":
+            raise PosttrainError("reference: the rm trainer has no reference model (it trains a score head on pairs)")
         dtype_bytes(self.dtype)
         if self.zero not in (0, 1, 2, 3):
             raise PosttrainError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
@@ -214,11 +215,33 @@ def adapter_params(arch: Architecture, setup: TrainingSetup) -> int:
     return arch.layers * sum(setup.lora_r * (shapes[t][0] + shapes[t][1]) for t in setup.lora_targets)
 
 
+def scalar_head(arch: Architecture, setup: TrainingSetup) -> tuple[int, int]:
+    """(parameters, bytes each) of the head trained in full beside the trunk: RM's score head, PPO's value
+    head; (0, 0) for the other trainers."""
+    head = rules(setup).scalar_head
+    return (0, 0) if head is None else (head.params(arch.hidden), head.element_bytes(setup))
+
+
+def trunk_trainable_params(arch: Architecture, setup: TrainingSetup) -> int:
+    """Trunk parameters that get a gradient: all of them (full) or the adapters. RM never runs the LM head:
+    untied, it gets no gradient, and AdamW keeps no state for a parameter without one."""
+    if setup.method != "full":
+        return adapter_params(arch, setup)
+    unused_head = 0 if rules(setup).lm_head or arch.tied_embeddings else arch.vocab * arch.hidden
+    return arch.num_parameters - unused_head
+
+
 def trainable_params(arch: Architecture, setup: TrainingSetup) -> int:
-    return arch.num_parameters if setup.method == "full" else adapter_params(arch, setup)
+    return trunk_trainable_params(arch, setup) + scalar_head(arch, setup)[0]
 
 
 def weights_bytes(arch: Architecture, setup: TrainingSetup) -> int:
+    """The trunk's weights (see `trunk_weights_bytes`) and a scalar head's."""
+    head, head_bytes = scalar_head(arch, setup)
+    return trunk_weights_bytes(arch, setup) + head * head_bytes
+
+
+def trunk_weights_bytes(arch: Architecture, setup: TrainingSetup) -> int:
     """Full / LoRA: every parameter in the model dtype (+ the adapters). QLoRA: the decoder linears at
     quant_bits / 8 bytes a weight plus one fp16 scale per quant_group weights; embeddings, norms and an
     untied LM head stay in the model dtype; adapters in fp32."""
@@ -235,33 +258,24 @@ def weights_bytes(arch: Architecture, setup: TrainingSetup) -> int:
 
 def grads_bytes(arch: Architecture, setup: TrainingSetup) -> int:
     """One gradient per trainable parameter, in its dtype (frozen weights have none)."""
-    return trainable_params(arch, setup) * setup.trainable_bytes
+    head, head_bytes = scalar_head(arch, setup)
+    return trunk_trainable_params(arch, setup) * setup.trainable_bytes + head * head_bytes
+
+
+def _states_bytes(params: int, element_bytes: int, setup: TrainingSetup) -> int:
+    """States per parameter (AdamW 2, SGD-momentum 1) in the parameter's dtype, as torch's optimizers keep
+    them (zeros_like(param)). Mixed precision: fp32 states plus an fp32 master copy of a half parameter."""
+    states = OPTIMIZER_STATES[setup.optimizer]
+    if setup.mixed and element_bytes != 4:
+        return params * (states * 4 + 4)
+    return params * states * element_bytes
 
 
 def optimizer_bytes(arch: Architecture, setup: TrainingSetup) -> int:
-    """States per trainable parameter (AdamW 2, SGD-momentum 1) in the parameter's dtype, as torch's
-    optimizers keep them (zeros_like(param)). Mixed precision: fp32 states plus an fp32 master copy."""
-    n = trainable_params(arch, setup)
-    states = OPTIMIZER_STATES[setup.optimizer]
-    if setup.mixed and setup.trainable_bytes != 4:
-        return n * (states * 4 + 4)
-    return n * states * setup.trainable_bytes
-
-
-def trunk_tokens(setup: TrainingSetup) -> tuple[int, int]:
-    """(rows, row width) of one micro-batch through the decoder.
-
-    SFT: batch rows of seq_len. GRPO (posttrain.trainers.rl_batch): each group of group_size samples is
-    ONE row, the prompt once and then every completion without its last token."""
-    if setup.trainer == "sft":
-        return setup.batch, setup.seq_len
-    rows = math.ceil(setup.batch / setup.group_size)
-    return rows, setup.prompt_len + min(setup.group_size, setup.batch) * (setup.completion_len - 1)
-
-
-def logit_tokens(setup: TrainingSetup) -> int:
-    """Positions that go through the LM head: those with a target (the completion tokens)."""
-    return setup.batch * setup.completion_len
+    """The trunk's trainable parameters' states and a scalar head's (its own dtype: RM's is fp32)."""
+    head, head_bytes = scalar_head(arch, setup)
+    trunk = _states_bytes(trunk_trainable_params(arch, setup), setup.trainable_bytes, setup)
+    return trunk + _states_bytes(head, head_bytes, setup)
 
 
 def _norm_bytes(width: int, b: int, *, weight_trains: bool, output_saved: bool, input_grad: bool = True) -> int:
@@ -305,9 +319,9 @@ def layer_bytes_per_token(arch: Architecture, setup: TrainingSetup, first: bool 
 
 
 def mask_bytes_per_layer(arch: Architecture, setup: TrainingSetup) -> int:
-    """An explicit attention mask (GRPO's packed groups; SFT is plain causal) is converted by SDPA to
-    the dtype in every layer and kept for backward: rows x width^2 x b."""
-    if setup.trainer == "sft":
+    """An explicit attention mask (GRPO's and PPO's packed groups; right-padded rows are plain causal) is
+    converted by SDPA to the dtype in every layer and kept for backward: rows x width^2 x b."""
+    if rules(setup).layout != "groups":
         return 0
     rows, width = trunk_tokens(setup)
     return rows * width * width * setup.element_bytes
@@ -315,12 +329,14 @@ def mask_bytes_per_layer(arch: Architecture, setup: TrainingSetup) -> int:
 
 def global_bytes_per_token(arch: Architecture, setup: TrainingSetup) -> int:
     """Outside the layers: the token ids (the embedding's backward, when it trains), RoPE's fp32 cos/sin
-    (computed once, shared by the layers) and the final norm (its output is not kept: the loss keeps the
-    gathered target rows, counted in `logits_bytes`)."""
+    (computed once, shared by the layers; kept only in fp32: in half precision the rotations multiply by
+    per-layer casts, counted in `layer_bytes_per_token`, and the fp32 originals are not kept) and the final
+    norm (its output is not kept: the loss head keeps what it gathers, counted in `logits_bytes`)."""
     full = setup.method == "full"
     ids = 8 if full else 0
+    rope = 2 * arch.head_dim * 4 if setup.element_bytes == 4 else 0
     final_norm = _norm_bytes(arch.hidden, setup.element_bytes, weight_trains=full, output_saved=False)
-    return ids + 2 * arch.head_dim * 4 + final_norm
+    return ids + rope + final_norm
 
 
 def activations_bytes(arch: Architecture, setup: TrainingSetup, checkpointing: bool = False) -> int:
@@ -340,30 +356,18 @@ def activations_bytes(arch: Architecture, setup: TrainingSetup, checkpointing: b
 
 
 def logits_bytes(arch: Architecture, setup: TrainingSetup) -> int:
-    """The loss head's memory at its peak (the start of backward), on top of the activations.
-
-    SFT (chunked_cross_entropy): the gathered target rows (N, d) and their fp32 logsumexp are kept; the
-    (N, V) logits never exist, only two fp32 (chunk, V) blocks at a time; when the LM head trains, its
-    gradient is accumulated in a (V, d) fp32 buffer and each chunk's (V, d) product is another.
-    GRPO (rl_batch.packed_forward + token_logprobs): the (N, V) fp32 logits are kept for backward and
-    their (N, V) gradient is written in one piece; chunked log-softmax scratch is two (256, V) blocks."""
-    b, d, V = setup.element_bytes, arch.hidden, arch.vocab
-    n = logit_tokens(setup)
-    kept = n * d * b + n * 4  # target rows (N, d) + logsumexp (N,)
-    if setup.trainer == "sft":
-        chunk = min(SFT_LOSS_CHUNK_ROWS, n)
-        head_grad = V * d * (4 + b + (4 if b != 4 else 0)) if setup.method == "full" else 0
-        return kept + 2 * chunk * V * 4 + head_grad
-    return kept + 2 * n * V * 4 + 2 * min(LOGPROB_CHUNK_TOKENS, n) * V * 4
+    """The loss head's memory at its peak, on top of the activations: what it keeps for backward and what
+    it holds on top (the logits' gradient, chunk scratch); one rule per trainer in trainer_rules.py."""
+    return loss_head(arch, setup).peak
 
 
 def kv_cache_bytes(arch: Architecture, setup: TrainingSetup) -> int:
     """The rollout engine's KV pool: 2 (K and V) x layers x kv_heads x head_dim x bytes x tokens.
     Tokens: kv_tokens, else rollout_seqs (default: batch) sequences of seq_len in whole 16-token blocks.
-    SFT has no rollout, so none unless kv_tokens asks for it."""
+    Only grpo and ppo have a rollout; the others none, unless kv_tokens asks for it."""
     tokens = setup.kv_tokens
     if tokens is None:
-        if setup.trainer == "sft":
+        if not rules(setup).rollout:
             return 0
         seqs = setup.rollout_seqs if setup.rollout_seqs is not None else setup.batch
         tokens = seqs * math.ceil(setup.seq_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
@@ -371,8 +375,10 @@ def kv_cache_bytes(arch: Architecture, setup: TrainingSetup) -> int:
 
 
 def reference_bytes(arch: Architecture, setup: TrainingSetup) -> int:
-    """A frozen copy of the weights for a KL / DPO reference. With LoRA the reference is the base with
-    the adapters switched off, so it costs nothing."""
+    """A frozen copy of the trunk's weights for a KL / DPO reference (no scalar head: PPO's reference is
+    the initial policy). With LoRA the reference is the base with the adapters switched off: no copy.
+    The trainers take it with copy.deepcopy before any DDP / FSDP2 wrapping, so every device holds all
+    of it: ZeRO-3 does not shard it."""
     if not setup.reference or setup.method != "full":
         return 0
     return arch.num_parameters * setup.element_bytes
@@ -426,7 +432,7 @@ def estimate_memory(arch: Architecture, setup: TrainingSetup) -> MemoryEstimate:
     acts_ckpt = activations_bytes(arch, setup, checkpointing=True)
     head = logits_bytes(arch, setup)
     kv = kv_cache_bytes(arch, setup)
-    ref = _shard(reference_bytes(arch, setup), setup, 3)
+    ref = reference_bytes(arch, setup)  # whole on every device (see reference_bytes)
     static = weights + optim + kv + ref + setup.overhead_bytes
     plain = peak_bytes(static, grads, acts + head, setup.grad_accum)
     checkpointed = peak_bytes(static, grads, acts_ckpt + head, setup.grad_accum)
@@ -434,6 +440,7 @@ def estimate_memory(arch: Architecture, setup: TrainingSetup) -> MemoryEstimate:
     details = {
         "parameters": arch.num_parameters,
         "trainable_parameters": trainable_params(arch, setup),
+        "head_parameters": scalar_head(arch, setup)[0],
         "trunk_tokens": rows * width,
         "logit_tokens": logit_tokens(setup),
         "activation_bytes_per_token_per_layer": layer_bytes_per_token(arch, setup),
