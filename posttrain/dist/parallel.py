@@ -26,6 +26,7 @@ from torch import nn
 
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import DistContext
+from posttrain.dist.export import meta_skeleton, whole_copy
 from posttrain.errors import ConfigError
 
 logger = logging.getLogger("posttrain.dist")
@@ -71,12 +72,18 @@ class Parallel:
 
     def __init__(self, model: nn.Module, section: DistSection, ctx: DistContext, *,
                  beside: dict[str, nn.Module] | None = None, unused_parameters: bool = False) -> None:
-        """`beside`: modules trained next to the model, whose gradients are reduced with it (ddp only).
-        `unused_parameters`: some trainable parameters get no gradient in a step (DDP must look for them)."""
+        """`beside`: modules trained next to the model, whose gradients are reduced with it (ddp: in DDP's buckets;
+        fsdp2: sharded by the root group, beside the embeddings). `unused_parameters`: some trainable parameters
+        get no gradient in a step (DDP must look for them)."""
         self.model, self.section, self.ctx = model, section, ctx
         self.strategy = section.strategy
         device = next(model.parameters()).device
         self.autocast = section.mixed_precision and self._mixed_precision_usable(model, device)
+        # fsdp2: the structure of each module, for gathering it whole later (`whole`); taken before the layers'
+        # forwards are wrapped for checkpointing and before fully_shard turns the Parameters into shards.
+        self._skeletons: dict[int, nn.Module] = {}
+        if self.strategy == "fsdp2":
+            self._skeletons = {id(m): meta_skeleton(m) for m in (model, *(beside or {}).values())}
         if section.activation_checkpointing:
             checkpoint_layers(model)
         self.wrapped: nn.Module | None = None
@@ -88,10 +95,7 @@ class Parallel:
             self.wrapped = DistributedDataParallel(_Call(model, beside), device_ids=None, forward_sync_buffers=False,
                                                    find_unused_parameters=unused_parameters)
         elif self.strategy == "fsdp2":
-            if beside:
-                raise ConfigError(f"dist.strategy=fsdp2 cannot shard the modules trained beside the model "
-                                  f"({', '.join(beside)}); use dist.strategy=ddp")
-            self.wrapped = self._fully_shard(model)
+            self.wrapped = self._fully_shard(model, beside)
             self.autocast = False  # FSDP2's own MixedPrecisionPolicy casts the gathered parameters
 
     def _mixed_precision_usable(self, model: nn.Module, device: torch.device) -> bool:
@@ -105,7 +109,7 @@ class Parallel:
                               "set model.dtype=float32")
         return True
 
-    def _fully_shard(self, model: nn.Module) -> nn.Module:
+    def _fully_shard(self, model: nn.Module, beside: dict[str, nn.Module] | None) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy()
@@ -115,9 +119,11 @@ class Parallel:
         # One group per decoder layer: only one layer's full weights exist at a time (with reshard=true).
         for layer in model.layers:
             fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
-        # The root group owns the rest (embeddings, tied LM head, final norm); it is used again right after
-        # the forward by the loss, so it is never resharded in between.
-        root = fully_shard(_Call(model), reshard_after_forward=False, mp_policy=mp)
+        # The root group owns the rest (embeddings, tied LM head, final norm, and the modules trained beside the
+        # model: a score or value head); it is used again right after the forward by the loss, so it is never
+        # resharded in between. The heads are called inside the root's forward (`run`), where their Parameters
+        # are the gathered whole ones, and their gradients are reduce-scattered with the embeddings'.
+        root = fully_shard(_Call(model, beside), reshard_after_forward=False, mp_policy=mp)
         # One call through the root now initialises FSDP's state with the root as root. Otherwise the first
         # forward that reaches a layer directly (the rollout engine's, see `full_weights`) would make that
         # layer a root of its own. Every rank does it here, together (it gathers the root's parameters).
@@ -125,6 +131,13 @@ class Parallel:
             root(_nothing)
         root.reshard()  # type: ignore[operator]  # the root's Parameters are its shards again (the optimizer's)
         return root
+
+    def whole(self, module: nn.Module) -> nn.Module | None:
+        """`module` (the model or one of the `beside` modules) with whole weights: itself unless sharded; under
+        fsdp2 a CPU copy of the same structure on rank 0 and None elsewhere (collective: every rank calls it)."""
+        if self.strategy != "fsdp2":
+            return module
+        return whole_copy(module, self._skeletons[id(module)])
 
     @property
     def world(self) -> int:

@@ -98,7 +98,7 @@ class DistillConfig:
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
-        check_dist_options(self.dist, self.lora, self.quant, None)
+        check_dist_options("distill", self.dist, self.lora, self.quant)
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(DISTILL_LOSSES)})")
         if not 0.0 <= self.beta <= 1.0:

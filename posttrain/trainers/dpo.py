@@ -35,7 +35,7 @@ import copy
 import inspect
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +69,7 @@ from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_r
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
-from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
+from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 from posttrain.trainers.unpaired_data import is_unpaired, load_unpaired
 
@@ -104,7 +104,6 @@ class DPOConfig:
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
-        check_dist_options(self.dist, self.lora, self.quant, None)
         if self.loss not in PREFERENCE_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(PREFERENCE_LOSSES)})")
         accepted = inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters
@@ -178,6 +177,7 @@ class Reference:
         self.kl = {name: kl_rows(p, kto_max_length) for name, p in splits.items() if p} if kto_max_length else {}
         self.model: Transformer | None = None
         self.table: dict[str, dict[str, torch.Tensor]] = {}
+        self.parallel: Parallel | None = None  # set by DPORun.distribute: the policy's DDP / FSDP2 wrapper
         # With LoRA the base IS the initial policy: its passes run the policy module with the adapters off,
         # so a live reference costs no second copy of the weights (and QLoRA's stays quantized).
         self.base_of_policy = has_adapters(policy)
@@ -197,6 +197,13 @@ class Reference:
     def _reference_weights(self, model: Transformer) -> AbstractContextManager:
         return disable_adapters(model) if self.base_of_policy else nullcontext()
 
+    def _run(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """`fn(reference model, *args)`; through the policy's wrapper when the reference is the policy itself
+        (LoRA's base): under FSDP2 its weights exist whole only inside the wrapper's hooks."""
+        if self.parallel is not None and self.model is self.parallel.model:
+            return self.parallel.run(fn, *args)
+        return fn(self.model, *args)
+
     def logps(self, split: str, idx: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         device = batch.input_ids.device
         if self.model is None:
@@ -205,10 +212,11 @@ class Reference:
             kl = t["kl"][index].to(device) if "kl" in t else None
             return t["chosen"][index].to(device), t["rejected"][index].to(device), kl
         with torch.no_grad(), self._reference_weights(self.model):
-            both = sequence_logps(self.model, batch)[0]  # (2B,)
+            both = self._run(lambda m, b: sequence_logps(m, b)[0], batch)  # (2B,)
             kl = None
             if split in self.kl:
-                kl = frozen_logps(self.model, [self.kl[split][i] for i in idx], len(idx), self.pad_token_id).to(device)
+                rows = [self.kl[split][i] for i in idx]
+                kl = self._run(lambda m: frozen_logps(m, rows, len(idx), self.pad_token_id)).to(device)
         half = len(idx)
         return both[:half], both[half:], kl
 
@@ -292,6 +300,8 @@ class DPORun:
         """Run the policy's passes through `parallel` (DDP / FSDP2 hooks) from now on; each rank then takes its
         share of every micro-batch's pairs."""
         self.parallel = parallel
+        if self.reference is not None:
+            self.reference.parallel = parallel
 
     def _policy_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.parallel is None:

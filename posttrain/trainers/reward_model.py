@@ -40,7 +40,7 @@ from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import encode_for_scoring, save_score_head
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir
+from posttrain.trainers.adapters import check_adapter_options, load_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
@@ -48,7 +48,7 @@ from posttrain.trainers.preference_data import PairRow, load_pairs
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
-from posttrain.trainers.distributed import join_processes, main_metrics
+from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
@@ -65,13 +65,11 @@ class RMConfig:
     quant: str | None = None  # QLoRA: quantize the frozen trunk (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # the run directory; default runs/rm-<timestamp>
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
-    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism (ddp); docs/distributed.md
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; docs/distributed.md
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
-        if self.dist.strategy == "fsdp2":
-            raise ValueError("dist.strategy=fsdp2 is not available for reward models yet (the score head trains "
-                             "beside the sharded trunk); use dist.strategy=ddp")
+        check_dist_options("rm", self.dist, self.lora, self.quant)
         if self.center_rewards_coefficient < 0:
             raise ValueError(f"center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
@@ -117,7 +115,7 @@ def tokenize_pair_for_scoring(tokenizer: Any, example: Preference, cfg: DataConf
 def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int,
                 parallel: Parallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen scores (B,), rejected scores (B,)) from one forward over the 2B sequences (through `parallel`'s
-    DDP hooks when given)."""
+    DDP / FSDP2 hooks when given: under FSDP2 trunk and head are whole only inside them)."""
     batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id).to(rm.trunk.device)
     lengths = batch.attention_mask.sum(1)  # (2B,)
     if parallel is None:
@@ -128,14 +126,15 @@ def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int,
 
 
 @torch.no_grad()
-def evaluate_rm(rm: RewardModel, pairs: list[PairRow], batch_size: int, pad_token_id: int) -> dict[str, float]:
-    """Held-out loss, pairwise accuracy (ties count half) and mean margin."""
+def evaluate_rm(rm: RewardModel, pairs: list[PairRow], batch_size: int, pad_token_id: int,
+                parallel: Parallel | None = None) -> dict[str, float]:
+    """Held-out loss, pairwise accuracy (ties count half) and mean margin (through `parallel` when wrapped)."""
     was_training = rm.training
     rm.eval()
     loss, wins, margin = 0.0, 0.0, 0.0
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
-        chosen, rejected = pair_scores(rm, chunk, pad_token_id)
+        chosen, rejected = pair_scores(rm, chunk, pad_token_id, parallel)
         loss += float(bradley_terry_loss(chosen, rejected)[0]) * len(chunk)
         wins += float((chosen > rejected).float().sum() + 0.5 * (chosen == rejected).float().sum())
         margin += float((chosen - rejected).sum())
@@ -179,8 +178,10 @@ def train_reward_model(cfg: RMConfig) -> Path:
     stream = batch_stream(data.train, train_cfg.batch_size, seed=train_cfg.seed)
     guard = BadStepGuard(train_cfg.max_bad_steps)
 
+    through = parallel if parallel.wrapped is not None else None  # the DDP / FSDP2 hooks, when there are any
+
     def loss_sum(pairs: list[PairRow]) -> tuple[torch.Tensor, dict[str, float]]:
-        chosen, rejected = pair_scores(rm, pairs, pad_id, parallel if parallel.wrapped is not None else None)
+        chosen, rejected = pair_scores(rm, pairs, pad_id, through)
         loss, metrics = bradley_terry_loss(chosen, rejected, center_coefficient=cfg.center_rewards_coefficient)
         tokens = sum(len(p.chosen) + len(p.rejected) for p in pairs)
         return loss * len(pairs), {**{k: float(v) * len(pairs) for k, v in metrics.items()}, "tokens": tokens}
@@ -203,7 +204,7 @@ def train_reward_model(cfg: RMConfig) -> Path:
                                 keep_last=train_cfg.keep_checkpoints, write_extras=lambda d: save_score_head(rm.head, d),
                                 parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
-    eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id)) if data.eval else None
+    eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id, through)) if data.eval else None
     with main_metrics(run_dir) as metrics:
         if eval_fn is not None and start_step == 0:
             before = eval_fn()  # every rank scores all held-out pairs: the same figures everywhere
@@ -217,8 +218,9 @@ def train_reward_model(cfg: RMConfig) -> Path:
         if eval_fn is not None:
             logger.info("rm: held-out accuracy after training %.3f", last["eval_accuracy"])
     rm.eval()
-    if is_main():  # ddp: every rank holds the same trunk and head
-        final = save_final_dir(trunk, tokenizer, run_dir, base_model=cfg.model.name_or_path)
-        save_score_head(rm.head, final)
+    final = save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    head = parallel.whole(rm.head)  # fsdp2: gathered on rank 0; ddp: every rank holds the same head
+    if is_main():
+        save_score_head(head, final)
     barrier()
     return run_dir

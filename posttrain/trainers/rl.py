@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
-from posttrain.dist.env import broadcast_object, is_main, reduce_metrics
+from posttrain.dist.env import barrier, broadcast_object, is_main, reduce_metrics
 from posttrain.errors import PosttrainError
 from posttrain.trainers.adapters import save_final_dir
 from posttrain.trainers.distributed import save_final_parallel
@@ -197,8 +197,11 @@ def _save_final(run: RLRun) -> Path:
     # The PEFT adapter with LoRA / QLoRA, else an HF directory; the value head goes beside either.
     if run.parallel is not None and run.parallel.wrapped is not None:
         out = save_final_parallel(run.parallel, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
-        if run.value_head is not None and is_main():  # ddp: the same head on every rank
-            save_value_head(run.value_head, out)
+        if run.value_head is not None:
+            head = run.parallel.whole(run.value_head)  # fsdp2: gathered on rank 0; ddp: the same on every rank
+            if is_main():
+                save_value_head(head, out)
+            barrier()
         return out
     out = save_final_dir(run.model, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
     if run.value_head is not None:

@@ -299,7 +299,7 @@ class GRPOConfig:
         if self.dist.strategy != "none":
             from posttrain.trainers.distributed import check_dist_options
 
-            check_dist_options(self.dist, self.lora, self.quant, None)
+            check_dist_options("grpo", self.dist, self.lora, self.quant)
 
 
 @dataclass
@@ -323,18 +323,16 @@ class PPOConfig:
     out: str | None = None
     resume: str | None = None  # as in GRPOConfig
     save_final: bool = True
-    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism (ddp); docs/distributed.md
+    dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; docs/distributed.md
 
     def validate(self) -> None:
         _need(self.loss.advantage in (None, "gae"), "PPO's advantage is GAE; leave loss.advantage unset")
         _need(self.loss.policy_loss in (None, "ppo_clip", "dapo"), "PPO's policy loss is ppo_clip or dapo")
         validate_config(self)
-        _need(self.dist.strategy != "fsdp2", "dist.strategy=fsdp2 is not available for PPO yet (its value head "
-              "trains beside the sharded trunk); use dist.strategy=ddp")
         if self.dist.strategy != "none":
             from posttrain.trainers.distributed import check_dist_options
 
-            check_dist_options(self.dist, self.lora, self.quant, None)
+            check_dist_options("ppo", self.dist, self.lora, self.quant)
 
 
 RLConfig = GRPOConfig | PPOConfig

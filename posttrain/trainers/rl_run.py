@@ -127,7 +127,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if cfg.kl.beta > 0 and not has_adapters(model):
         reference = copy.deepcopy(model).eval().requires_grad_(False)  # a whole frozen copy on every rank
     value_head = None
-    if algo.uses_value_head:  # PPO's critic on the policy trunk; DDP reduces its gradients with the trunk's
+    if algo.uses_value_head:  # PPO's critic on the policy trunk; reduced (DDP) or sharded (FSDP2) with the trunk
         value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
     beside = {"value_head": value_head} if value_head is not None else None
     # Before the optimizer: FSDP2 replaces the Parameters by shards.

@@ -6,16 +6,26 @@ engine's unseeded samples) is then the same after a resume as in a run that neve
 
 The state comes in two parts so that nothing needs pickling: plain JSON (Python's and NumPy's
 Mersenne-Twister words as int lists) and uint8 tensors (torch's states) for a safetensors file.
+
+Under torchrun every rank has its own streams (RL seeds rank r's with `train.seed + r`, so the ranks'
+unseeded samples differ). A checkpoint holds each rank's (`capture_rank_rngs`, gathered to every rank) and a
+resume on the same world size gives each rank back its own. On another world size rank r < N (the ranks
+saved) takes saved rank r's streams, and the ranks beyond keep the streams they were seeded with at start:
+the run goes on, with a warning, but its random draws are not the uninterrupted run's.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import torch
 
+from posttrain.dist.env import all_gather_objects
 from posttrain.errors import CheckpointError
+
+logger = logging.getLogger("posttrain.trainers")
 
 _CPU = "torch_cpu"
 _CUDA = "torch_cuda."  # + device index
@@ -62,3 +72,31 @@ def restore_rng(plain: dict[str, Any], tensors: dict[str, torch.Tensor], source:
                                   f"this process has {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         for index, state in cuda:
             torch.cuda.set_rng_state(state, index)
+
+
+def capture_rank_rngs() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Every rank's `capture_rng`, on every rank (collective under torchrun; this process's alone otherwise):
+    ({"world_size": N, "ranks": [plain of rank 0, ...]}, {"rank<r>.<name>": tensor of rank r})."""
+    states = all_gather_objects(capture_rng())
+    plain = {"world_size": len(states), "ranks": [rank_plain for rank_plain, _ in states]}
+    tensors = {f"rank{rank}.{name}": t for rank, (_, rank_tensors) in enumerate(states) for name, t in rank_tensors.items()}
+    return plain, tensors
+
+
+def restore_rank_rng(plain: dict[str, Any], tensors: dict[str, torch.Tensor], source: str, rank: int,
+                     world_size: int) -> None:
+    """Put back this rank's part of what `capture_rank_rngs` returned (see the module docstring for a different
+    world size). A checkpoint of the older format (one state, rank 0's) is restored on every rank."""
+    if "ranks" not in plain:
+        restore_rng(plain, tensors, source)
+        return
+    saved = int(plain["world_size"])
+    if saved != world_size and rank == 0:
+        logger.warning("%s: RNG states of %d rank(s), this run has %d: ranks below %d continue their saved streams, "
+                       "the others keep the streams they were seeded with; random draws (unseeded rollouts, dropout) "
+                       "differ from the uninterrupted run's", source, saved, world_size, min(saved, world_size))
+    if rank >= saved:
+        return
+    prefix = f"rank{rank}."
+    own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+    restore_rng(plain["ranks"][rank], own, source)

@@ -47,7 +47,7 @@ from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
-from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
+from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
@@ -91,7 +91,6 @@ class SFTConfig:
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant, self.qat)
-        check_dist_options(self.dist, self.lora, self.quant, self.qat)
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:
             raise ValueError("train.eval_every is set but there is no eval data (data.eval_path or data.eval_fraction)")
 

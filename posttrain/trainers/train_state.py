@@ -4,12 +4,13 @@
       <the model>                 what `adapters.save_trained` writes: an HF directory, or the PEFT
                                   adapter with LoRA / QLoRA (the frozen base is rebuilt from the config)
       optimizer.safetensors       the optimizer's tensors (AdamW moments and step counts)
-      rng_state.safetensors       torch's generator states (CPU, every CUDA device)
+      rng_state.safetensors       torch's generator states (CPU, every CUDA device) of every rank
       modules.safetensors         modules trained beside the model (a reward or value head), if any
-      shards/                     instead of the model and optimizer files, in an FSDP2 run: every rank's
-                                  shards (torch.distributed.checkpoint), loadable at any world size
-      trainer_state.json          step, optimizer skeleton, schedule, python / numpy RNG, and the trainer's
-                                  own counters: data position, bad-step counts, RL policy version, ...
+      shards/                     instead of the model, optimizer and modules files (and the extras), in an
+                                  FSDP2 run: every rank's shards (torch.distributed.checkpoint), loadable at
+                                  any world size
+      trainer_state.json          step, optimizer skeleton, schedule, every rank's python / numpy RNG, and the
+                                  trainer's own counters: data position, bad-step counts, RL policy version, ...
       COMMITTED                   written last, after everything above is fsync'd
 
 Only safetensors and JSON are read back, so resuming never unpickles anything; the one exception is an FSDP2
@@ -42,7 +43,7 @@ from posttrain.peft.peft_format import KEY_PREFIX, LORA_SUFFIXES, read_adapter_t
 from posttrain.trainers.adapters import has_adapters, save_trained
 from posttrain.trainers.checkpoint import checkpoint_dir, commit, fsync_dir, fsync_tree, partial_dir, prune_checkpoints
 from posttrain.trainers.optim_state import load_optimizer_plain, optimizer_to_plain, scheduler_to_plain
-from posttrain.trainers.rng_state import capture_rng, restore_rng
+from posttrain.trainers.rng_state import capture_rank_rngs, restore_rank_rng
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -79,7 +80,7 @@ class Checkpointer:
     modules: dict[str, nn.Module] = field(default_factory=dict)  # trained beside the model
     state: dict[str, Stateful] = field(default_factory=dict)
     keep_last: int | None = None
-    write_extras: Callable[[Path], object] | None = None  # user-facing files (score.safetensors) into the dir
+    write_extras: Callable[[Path], object] | None = None  # user-facing files (score.safetensors); not under fsdp2
     parallel: Parallel | None = None  # under torchrun: who writes what (see `save`)
 
     def save(self, step: int) -> Path:
@@ -87,7 +88,8 @@ class Checkpointer:
 
         Under torchrun every rank calls this: with DDP rank 0 writes (the ranks hold the same weights and
         optimizer state); with FSDP2 each rank writes its shards (`shards/`, torch.distributed.checkpoint)
-        and rank 0 the rest. Rank 0 commits once every rank's part is on disk."""
+        and rank 0 the rest. Rank 0 commits once every rank's part is on disk. Every rank's RNG state is
+        gathered to rank 0 (a few KB each)."""
         sharded = self.parallel is not None and self.parallel.strategy == "fsdp2"
         tmp, final = partial_dir(self.run_dir, step), checkpoint_dir(self.run_dir, step)
         if is_main() and tmp.exists():
@@ -96,8 +98,10 @@ class Checkpointer:
             if is_main():
                 tmp.mkdir(parents=True)
             barrier()
-            save_sharded(self.model, self.optimizer, tmp / SHARDS_DIR)  # collective: every rank its shards
+            # collective: every rank its shards, of the model and of the modules beside it
+            save_sharded(self.model, self.optimizer, tmp / SHARDS_DIR, self.modules)
             barrier()
+        rng_plain, rng_tensors = capture_rank_rngs()  # collective: every rank's own streams
         if not is_main():
             barrier()  # wait for rank 0's commit, so no rank runs ahead of a half-written checkpoint
             return final
@@ -109,13 +113,12 @@ class Checkpointer:
             save_trained(self.model, self.tokenizer, tmp, base_model=self.base_model)
             optimizer_plain, optimizer_tensors = optimizer_to_plain(self.optimizer)
             save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
-        rng_plain, rng_tensors = capture_rng()
         save_file(rng_tensors, str(tmp / RNG_FILE))
-        if self.modules:
+        if self.modules and not sharded:  # in shards/ under fsdp2
             tensors = {f"{name}.{key}": value.detach().to("cpu").contiguous()
                        for name, module in self.modules.items() for key, value in module.state_dict().items()}
             save_file(tensors, str(tmp / MODULES_FILE))
-        if self.write_extras is not None:
+        if self.write_extras is not None and not sharded:  # they would need whole weights gathered: final/ has them
             self.write_extras(tmp)
         record = {
             "format": FORMAT_VERSION, "command": self.command, "step": step,
@@ -145,13 +148,13 @@ class Checkpointer:
                                   f"`posttrain {self.command}`")
         sharded = is_sharded_checkpoint(path / SHARDS_DIR)
         if sharded:  # written by FSDP2 ranks: resharded to this run's layout, whatever its world size
-            load_sharded(self.model, self.optimizer, path / SHARDS_DIR)
+            load_sharded(self.model, self.optimizer, path / SHARDS_DIR, self.modules)
         elif self.parallel is not None and self.parallel.strategy == "fsdp2":
             raise CheckpointError(f"{path}: written by a single-process or ddp run (whole weights); dist.strategy=fsdp2 "
                                   "resumes from sharded checkpoints only: resume it with dist.strategy=ddp or none")
         else:
             load_trained_weights(self.model, path)
-        if self.modules:
+        if self.modules and not sharded:
             tensors = _read_tensors(path / MODULES_FILE)
             for name, module in self.modules.items():
                 own = {key[len(name) + 1:]: value for key, value in tensors.items() if key.startswith(name + ".")}
@@ -169,7 +172,9 @@ class Checkpointer:
             if name not in saved:
                 raise CheckpointError(f"{path / STATE_FILE}: no state for {name!r}")
             obj.load_state_dict(saved[name])
-        restore_rng(record["rng"], _read_tensors(path / RNG_FILE), str(path / RNG_FILE))
+        ctx = self.parallel.ctx if self.parallel is not None else None
+        restore_rank_rng(record["rng"], _read_tensors(path / RNG_FILE), str(path / RNG_FILE),
+                         rank=ctx.rank if ctx is not None else 0, world_size=ctx.world_size if ctx is not None else 1)
         return int(record["step"])
 
 

@@ -4,6 +4,9 @@ of pairs.
 KTO's KL reference point z0 is a mean over the micro-batch's mismatched rows; each rank gathers the other
 ranks' KL logps so it clamps the same z0 as one process. z0 is 0 while the policy equals the reference, so
 the KTO run takes 2 steps: the second has a moved policy and a non-zero z0.
+
+With LoRA under FSDP2 the reference is the policy's own base (adapters off): precomputed before sharding, or
+live, through the FSDP2 wrapper (the base weights are whole only inside its hooks).
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
+from posttrain.peft.peft_format import ADAPTER_WEIGHTS
 from posttrain.trainers.dpo import DPOConfig, train_dpo
 from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.trainers.pref_helpers import config, setup_dir
@@ -24,6 +29,10 @@ BATCH = ["train.batch_size=4", "train.grad_accum=2", "optim.lr=1e-2", "optim.war
          "beta=0.5"]
 DPO_STEP = [*BATCH, "train.max_steps=1"]
 KTO_STEPS = [*BATCH, "loss=kto", "train.max_steps=2"]
+# LoRA's B starts at zero: the first step moves B alone, the second A too, by a gradient proportional to B
+# (small after one step). optim.eps=1e-4 keeps AdamW from blowing the rounding of such small gradients (which
+# the split over 2 processes changes) up to a full step each (see tests/distributed/rl_setup.py).
+LORA_STEPS = [*BATCH, "lora.r=4", "lora.alpha=8", "train.max_steps=2", "optim.eps=1e-4"]
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +86,21 @@ def test_two_processes_take_the_kto_steps_of_one(strategy, data, kto_one, tmp_pa
         for key in ("loss", "kl", "grad_norm", "rewards/chosen"):
             assert abs(g[key] - w[key]) <= TOLERANCE * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
     assert max_difference(final_weights(out), final_weights(kto_one)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("reference", ["precompute", "live"])
+def test_two_fsdp2_processes_take_the_lora_dpo_steps_of_one(reference, data, tmp_path):
+    # 2 held-out pairs, scored before training: the no-grad pass leaves the sharded weights resharded, so a
+    # live reference outside the wrapper would meet shards there.
+    args = [*LORA_STEPS, f"reference={reference}", "data.eval_fraction=0.25"]
+    one = _one_process(data, tmp_path / "one", args)
+    two = _two_processes(data, tmp_path / "two", "fsdp2", args)
+    got, want = read_metrics(two), read_metrics(one)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]
+    assert abs(got[0]["eval_loss"] - want[0]["eval_loss"]) <= TOLERANCE
+    for g, w in zip(got[1:], want[1:]):
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            assert abs(g[key] - w[key]) <= TOLERANCE * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
+    assert want[2]["rewards/margins"] != 0  # the second step's policy differs from the reference: it is in play
+    adapters = [load_file(str(run / "final" / ADAPTER_WEIGHTS)) for run in (one, two)]
+    assert max_difference(*adapters) <= TOLERANCE

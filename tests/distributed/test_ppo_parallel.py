@@ -1,6 +1,7 @@
-"""PPO data-parallel (DDP, gloo): 2 torchrun processes against 1 over the same seeded prompts. The value head
-trains beside the trunk (its gradient reduced with the trunk's) and the advantages are whitened over every
-rank's samples, so the two runs make the same updates."""
+"""PPO data-parallel (DDP and FSDP2, gloo): 2 torchrun processes against 1 over the same seeded prompts. The
+value head trains beside the trunk (its gradient reduced with the trunk's; under FSDP2 it is sharded by the root
+group, gathered whole for the rollout and the final save) and the advantages are whitened over every rank's
+samples, so the two runs make the same updates."""
 
 from __future__ import annotations
 
@@ -26,10 +27,16 @@ def overrides(tmp_path_factory) -> list[str]:
                         "train.minibatch_size=4")
 
 
-def test_two_ddp_processes_take_the_ppo_steps_of_one(overrides, tmp_path):
-    one = train_ppo(load_config(PPOConfig, None, [*overrides, f"out={tmp_path / 'one'}"]))
+@pytest.fixture(scope="module")
+def ppo_one(overrides, tmp_path_factory):
+    return train_ppo(load_config(PPOConfig, None, [*overrides, f"out={tmp_path_factory.mktemp('ppo-one') / 'run'}"]))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_take_the_ppo_steps_of_one(strategy, overrides, ppo_one, tmp_path):
+    one = ppo_one
     two = tmp_path / "two"
-    torchrun(2, ["ppo", *overrides, f"out={two}", "dist.strategy=ddp"])
+    torchrun(2, ["ppo", *overrides, f"out={two}", f"dist.strategy={strategy}"])
     got, want = read_metrics(two), read_metrics(one)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for mine, theirs in zip(got, want):

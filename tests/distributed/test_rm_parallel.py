@@ -1,5 +1,7 @@
-"""Reward-model training data-parallel (DDP, gloo): 2 torchrun processes against 1 on the same pairs; the
-score head trains beside the trunk, and its gradient must be reduced with the trunk's."""
+"""Reward-model training data-parallel (DDP and FSDP2, gloo): 2 torchrun processes against 1 on the same pairs;
+the score head trains beside the trunk, and its gradient must be reduced with the trunk's (DDP: in its buckets;
+FSDP2: the head is sharded by the root group, beside the embeddings). FSDP2 also resumes its sharded
+checkpoint, head and its optimizer state included, on 1 process."""
 
 from __future__ import annotations
 
@@ -22,16 +24,43 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     return setup_dir(tmp_path_factory.mktemp("rm-dist"))
 
 
-def test_two_ddp_processes_train_the_reward_model_of_one(data, tmp_path):
+def _two_processes(data: tuple[Path, Path], out: Path, strategy: str, *args: str) -> Path:
+    model, pairs = data
+    torchrun(2, ["rm", f"model.name_or_path={model}", f"data.path={pairs}", f"out={out}", "train.progress=false",
+                 f"dist.strategy={strategy}", *args])
+    return out
+
+
+def _heads(*runs: Path) -> list[dict]:
+    return [load_file(str(run / "final" / "score.safetensors")) for run in runs]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_train_the_reward_model_of_one(strategy, data, tmp_path):
     model, pairs = data
     one = train_reward_model(config(RMConfig, model, pairs, tmp_path / "one", *STEP))
-    two = tmp_path / "two"
-    torchrun(2, ["rm", f"model.name_or_path={model}", f"data.path={pairs}", f"out={two}", "train.progress=false",
-                 "dist.strategy=ddp", *STEP])
+    two = _two_processes(data, tmp_path / "two", strategy, *STEP)
     [got], [want] = read_metrics(two), read_metrics(one)
     assert got["pairs"] == want["pairs"] == 8
     for key in ("loss", "grad_norm", "accuracy", "margin"):
         assert abs(got[key] - want[key]) <= TOLERANCE * max(1.0, abs(want[key])), key
     assert max_difference(final_weights(two), final_weights(one)) <= TOLERANCE
-    heads = [load_file(str(run / "final" / "score.safetensors")) for run in (one, two)]
-    assert max_difference(*heads) <= TOLERANCE
+    before, after = _heads(one, two)
+    assert max_difference(before, after) <= TOLERANCE
+
+
+def test_two_fsdp2_processes_resume_the_reward_model_on_one(data, tmp_path):
+    """3 steps on 2 FSDP2 ranks with a checkpoint at step 2 (trunk, head and both's AdamW moments in shards/);
+    1 plain process resumed from it takes step 3 as the 2 ranks did."""
+    model, pairs = data
+    steps = ["train.batch_size=4", "train.grad_accum=1", "train.max_steps=3", "train.save_every=2", "optim.lr=1e-2",
+             "data.eval_fraction=0"]
+    two = _two_processes(data, tmp_path / "two", "fsdp2", *steps)
+    checkpoint = two / "checkpoints" / "step-2"
+    assert (checkpoint / "shards" / ".metadata").is_file() and not (checkpoint / "modules.safetensors").exists()
+    one = train_reward_model(config(RMConfig, model, pairs, tmp_path / "one", *steps, f"resume={checkpoint}"))
+    [got], want = read_metrics(one), read_metrics(two)[-1]
+    assert got["step"] == want["step"] == 3
+    assert abs(got["loss"] - want["loss"]) <= TOLERANCE
+    assert max_difference(final_weights(one), final_weights(two)) <= TOLERANCE
+    assert max_difference(*_heads(one, two)) <= TOLERANCE

@@ -21,7 +21,7 @@ from posttrain.trainers.loop import batch_stream
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.optim_state import load_optimizer_plain, optimizer_to_plain
 from posttrain.trainers.resume import open_run, truncate_metrics
-from posttrain.trainers.rng_state import capture_rng, restore_rng
+from posttrain.trainers.rng_state import capture_rank_rngs, capture_rng, restore_rank_rng, restore_rng
 from posttrain.trainers.schedule import build_scheduler
 from posttrain.trainers.sft import SFTConfig
 from posttrain.trainers.train_state import Checkpointer
@@ -70,6 +70,23 @@ def test_rng_states_come_back():
     restore_rng(plain, tensors, "test")
     again = (random.random(), numpy.random.rand(), torch.rand(3))
     assert drawn[0] == again[0] and drawn[1] == again[1] and torch.equal(drawn[2], again[2])
+
+
+def test_rank_rng_states_come_back_per_rank_and_in_the_older_format():
+    plain, tensors = capture_rank_rngs()  # one process: world size 1, rank 0's own
+    assert plain["world_size"] == 1 and sorted(tensors) == ["rank0.torch_cpu"]
+    drawn = torch.rand(3)
+    restore_rank_rng(plain, tensors, "test", rank=0, world_size=1)
+    assert torch.equal(torch.rand(3), drawn)
+    # A rank the checkpoint has no state for keeps its own streams (here: the generator as it stands).
+    now = torch.get_rng_state()
+    restore_rank_rng(plain, tensors, "test", rank=1, world_size=2)
+    assert torch.equal(torch.get_rng_state(), now)
+    # A checkpoint written before every rank's state was kept: its one state, on any rank.
+    old_plain, old_tensors = capture_rng()
+    drawn = torch.rand(3)
+    restore_rank_rng(old_plain, old_tensors, "test", rank=1, world_size=2)
+    assert torch.equal(torch.rand(3), drawn)
 
 
 def test_batch_stream_resumes_at_any_batch():
