@@ -2,13 +2,13 @@
 the default model, each in its own process, peak RSS from the kernel (os.wait4's ru_maxrss).
 
 What is compared:
-- measured: the peak resident set of the whole `posttrain sft|grpo` process, under two allocator settings:
-  `default` (glibc as it comes; the rollout engine also turns trimming off, see
-  EngineConfig.tune_cpu_allocator) and `release` (GLIBC_TUNABLES fixes the mmap and trim thresholds at
-  128 KiB, so every freed tensor goes back to the OS, and the engine leaves malloc alone). Under
-  `default`, glibc keeps freed activation-sized buffers (below its adaptive mmap threshold, up to 32 MiB)
-  resident as heap fragments, so RSS is the live tensors plus that slack; under `release` RSS tracks the
-  live tensors, which is what the estimate counts.
+- measured: the peak resident set of the whole `posttrain sft|grpo` process, under both settings of
+  `model.cpu_memory` (posttrain.cpu_malloc): `release` (the default: while training, freed blocks of 128 KiB
+  or more go back to the OS; the rollout engine holds its memory while it generates) and `keep` (glibc as it
+  comes, which keeps freed activation-sized buffers, below its adaptive mmap threshold of up to 32 MiB,
+  resident as heap holes; the engine then holds for the rest of the process once it starts). Under `keep`
+  RSS is the live tensors plus that slack; under `release` it tracks the live tensors, which is what the
+  estimate counts. The logged step times of both settings are reported too (the price of `release`).
 - estimate: `estimate_memory` for the shapes each run actually had, maximised over its micro-batches,
   plus the runtime overhead term, measured here once as the peak RSS of a process that imports torch and
   posttrain's trainers and loads the default tokenizer (what a training process holds before any model
@@ -39,9 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
 CASES = ("sft-full", "sft-lora", "grpo")
-# glibc: fixed (non-adaptive) thresholds; allocations >= 128 KiB are mmapped and unmapped when freed.
-RELEASE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=131072"}
-ALLOCATORS = ("default", "release")
+ALLOCATORS = ("release", "keep")  # the values of model.cpu_memory
 OVERHEAD_PROBE = (
     "import torch, posttrain.trainers.sft, posttrain.trainers.rl\n"
     "from posttrain.models.hub import load_tokenizer, resolve_model_path\n"
@@ -62,9 +60,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def peak_rss(argv: list[str], log: Path, allocator: str = "default") -> tuple[int, float]:
+def peak_rss(argv: list[str], log: Path) -> tuple[int, float]:
     """Run argv to completion; (its peak RSS in bytes, wall seconds). Raises with the log tail on failure."""
-    env = {**os.environ, **(RELEASE_ENV if allocator == "release" else {})}
+    env = dict(os.environ)
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -145,9 +143,9 @@ def run_sft(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
     measured, logged, step_time = {}, {}, {}
     for allocator in args.allocators:
         out = tmp / f"{name}-{allocator}"
-        overrides = sft_overrides(args, out, lora)
+        overrides = sft_overrides(args, out, lora) + [f"model.cpu_memory={allocator}"]
         measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "sft", *overrides],
-                                          tmp / f"{out.name}.log", allocator)
+                                          tmp / f"{out.name}.log")
         metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "step_time" in r]
         logged[allocator] = [int(r["tokens"]) for r in metrics]
         step_time[allocator] = round(metrics[-1]["step_time"], 2)
@@ -174,11 +172,12 @@ def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp
     for allocator in args.allocators:
         out = tmp / f"grpo-{allocator}"
         overrides = [f"train.max_steps={args.grpo_steps}", "data.eval_size=0", "log.progress=false",
-                     "save_final=false", f"out={out}"]
-        if allocator == "release":  # else the engine's mallopt would override the tunables
-            overrides.append("rollout.engine.tune_cpu_allocator=false")
+                     "save_final=false", f"out={out}", f"model.cpu_memory={allocator}",
+                     # Every group through the update, as in a step where each has a reward spread: the peak a
+                     # run can reach (the skip only lowers it), and the shapes the logged token rate gives.
+                     "train.skip_zero_advantage=false"]
         measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "grpo", *overrides],
-                                          tmp / f"{out.name}.log", allocator)
+                                          tmp / f"{out.name}.log")
         records_by[allocator] = [r for r in read_jsonl(out / "metrics.jsonl") if "num_samples" in r]
     cfg = GRPOConfig()
     group = cfg.rollout.samples_per_prompt
@@ -205,7 +204,9 @@ def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp
                     "shape": {"samples": samples, "completion_len": completion, "prompt_len": prompt,
                               "trained_tokens": trained, "kv_tokens": kv_tokens},
                     "time": {"update_seconds_estimate": round(seconds.train_seconds, 2),
-                             "update_seconds_measured": round(record["time/update_s"], 2)}}
+                             "update_seconds_measured": round(record["time/update_s"], 2),
+                             "last_update_seconds": {a: round(records_by[a][-1]["time/update_s"], 2)
+                                                     for a in args.allocators}}}
     return _case("grpo", best, measured, overheads, args.tolerance, best.pop("time"))
 
 
@@ -239,7 +240,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="posttrain-estimate-") as tmp_name:
         tmp = Path(tmp_name)
         probe = OVERHEAD_PROBE.format(model=args.model)
-        overheads = {a: peak_rss([sys.executable, "-c", probe], tmp / f"overhead-{a}.log", a)[0] for a in args.allocators}
+        overhead = peak_rss([sys.executable, "-c", probe], tmp / "overhead.log")[0]  # before any malloc policy
+        overheads = {a: overhead for a in args.allocators}
         results = []
         for case in args.cases:
             if case == "grpo":

@@ -177,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         mark = "  <- total_bytes" if key == chosen else ""
         print(f"  {label:<22}{_human(result[key]):>12}{mark}")
     print(f"  (peak = weights + optimizer + KV cache + reference + overhead + {result['peak_rule']}; docs/estimate.md)")
+    if result["device"] == "cpu":
+        print("  (CPU: a run's resident memory matches this with model.cpu_memory=release; with glibc's own policy, "
+              "the default, it runs 10-30% higher)")
     if result["fits"] is not None:
         print(f"  fits in one {result['device']} ({_human(result['device_memory_bytes'])}): "
               f"{'yes' if result['fits'] else 'no'}")

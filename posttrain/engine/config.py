@@ -31,7 +31,8 @@ class EngineConfig:
     cuda_graphs: bool = False  # capture decode steps as CUDA graphs (CUDA only)
     # On CPU with glibc: keep freed memory in the heap instead of returning it to the OS, so the large
     # per-step temporaries do not page-fault on every step (3-4x faster steps on the machines we measured).
-    # Process-wide; set False to leave malloc alone.
+    # glibc's `hold` policy (posttrain.cpu_malloc) while generate() runs; a process that set no policy of
+    # its own keeps it from the engine's start. Set False to leave malloc alone.
     tune_cpu_allocator: bool = True
 
     def __post_init__(self) -> None:

@@ -115,15 +115,16 @@ class LLM:
         bar = _progress_bar(len(batch), sum(sp.n for sp in params_list)) if use_tqdm else None
         tokens_before = self.engine.num_generated_tokens
         try:
-            while len(results) < len(batch):
-                for output in self.engine.step():
-                    results[output.request_id] = output
-                    if bar is not None:
-                        bar.update(1)
-                        tokens = self.engine.num_generated_tokens - tokens_before
-                        bar.set_postfix_str(f"tok/s={_rate(bar, tokens)}", refresh=False)
-                if not self.engine.has_unfinished_requests() and len(results) < len(batch):
-                    raise RuntimeError("engine finished without completing every request")
+            with self.engine.runner.malloc_scope():
+                while len(results) < len(batch):
+                    for output in self.engine.step():
+                        results[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+                            tokens = self.engine.num_generated_tokens - tokens_before
+                            bar.set_postfix_str(f"tok/s={_rate(bar, tokens)}", refresh=False)
+                    if not self.engine.has_unfinished_requests() and len(results) < len(batch):
+                        raise RuntimeError("engine finished without completing every request")
         except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -6,13 +6,12 @@ copy-on-write block copies, the forward pass, projecting only the rows that samp
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from posttrain.cpu_malloc import current_malloc_policy, malloc_policy, set_malloc_policy
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.sampling import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
@@ -39,8 +38,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] | None = None
         self.workspace = SamplingWorkspace()
-        if config.tune_cpu_allocator and self.device.type == "cpu":
-            tune_cpu_allocator()
+        if self.tunes_malloc and current_malloc_policy() == "default":
+            set_malloc_policy("hold")  # nobody chose: the engine's policy for the whole process, as before
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:
             if self.device.type != "cuda":
@@ -55,6 +54,15 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def tunes_malloc(self) -> bool:
+        return self.config.tune_cpu_allocator and self.device.type == "cpu"
+
+    def malloc_scope(self) -> AbstractContextManager[None]:
+        """Around a run of engine steps: glibc's `hold` policy (posttrain.cpu_malloc), and after it the
+        process's own again, e.g. a trainer's `release` for its update."""
+        return malloc_policy("hold") if self.tunes_malloc else nullcontext()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,24 +255,3 @@ class DecodeGraphs:
             hidden = forward()
         self.pool = graph.pool()
         return graph, hidden
-
-
-_allocator_tuned = False
-
-
-def tune_cpu_allocator() -> None:
-    """glibc malloc: serve every allocation from the heap and never trim it, so the big temporaries of a
-    step reuse pages already mapped instead of page-faulting fresh ones (see EngineConfig)."""
-    global _allocator_tuned
-    if _allocator_tuned or os.name != "posix":
-        return
-    _allocator_tuned = True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt(M_MMAP_MAX, 0)
-    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # the largest int: return memory to the OS only past 2 GiB free

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from posttrain.cpu_malloc import set_malloc_policy
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import DistContext, barrier, init_distributed, is_main
 from posttrain.dist.parallel import Parallel
@@ -43,9 +44,11 @@ def check_dist_options(command: str, dist: DistSection, lora: LoraConfig | None,
 
 def join_processes(dist: DistSection, model: ModelSection) -> tuple[DistContext, ModelSection]:
     """Join torchrun's process group (nothing with strategy none) and put the model on this rank's device:
-    cuda:LOCAL_RANK when CUDA is used, the CPU otherwise."""
+    cuda:LOCAL_RANK when CUDA is used, the CPU otherwise (with the malloc policy of `model.cpu_memory`)."""
     device = model.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device_type = torch.device(device).type
+    if device_type == "cpu" and model.cpu_memory == "release":
+        set_malloc_policy("release")  # before the weights load: their freed staging goes back too
     ctx = init_distributed(dist.strategy, device_type)
     if dist.strategy != "none" and device_type == "cuda":
         model = dataclasses.replace(model, device=f"cuda:{ctx.local_rank}")

@@ -17,6 +17,11 @@ class ModelSection:
     name_or_path: str = DEFAULT_MODEL  # HF directory, .gguf file or known name
     dtype: str | None = None  # float32 | bfloat16 | float16; default fp32 on CPU, bf16 on GPU
     device: str | None = None  # cpu | cuda | cuda:N; default cuda if available
+    # CPU with glibc: `keep` leaves glibc's own policy, which holds freed blocks as heap holes (resident memory
+    # 10-25% above the live tensors); `release` hands freed tensor memory back to the OS while training, so
+    # resident memory follows the live tensors (what `posttrain estimate` counts) at a cost in page faults
+    # (posttrain.cpu_malloc, docs/estimate.md).
+    cpu_memory: Literal["keep", "release"] = "keep"
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""When glibc's malloc gives freed CPU tensor memory back to the OS, per phase of a run.
+
+PyTorch's CPU tensors come from malloc, and glibc's defaults suit neither of posttrain's two phases:
+
+- glibc as it comes raises its mmap threshold as large blocks are freed (up to 32 MiB), so tensors the
+  size of a small model's activations come from the heap, and the holes they leave between tensors still
+  alive stay resident. A training process then sits 10-35% above its live tensors (benchmarks/estimate.py).
+- `hold` (the rollout engine): every allocation from the heap and no trimming, so a decode step's large
+  temporaries reuse pages already mapped instead of page-faulting fresh ones each step (several times
+  faster decode steps on CPU). Resident memory stays at its high-water mark.
+- `release` (training): blocks of 128 KiB or more are mmapped and unmapped when freed, and the heap is
+  trimmed once 128 KiB at its top are free, so resident memory follows the live tensors, which is what
+  `posttrain estimate` counts. The price is the page faults of touching fresh pages each step.
+
+A process starts under glibc's own policy (`default`). glibc cannot be put back into it (any threshold set
+by mallopt stays fixed), so leaving a `hold` entered from `default` keeps `hold`: a process that only
+generates keeps the engine's policy, as before.
+
+Only glibc has these knobs: elsewhere (macOS, musl) every call here does nothing and the policy stays
+`default`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+Policy = Literal["default", "hold", "release"]
+POLICIES: tuple[str, ...] = ("default", "hold", "release")
+
+# mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+RELEASE_THRESHOLD = 128 * 1024  # glibc's own initial mmap and trim thresholds, here kept fixed
+GLIBC_MMAP_MAX = 65536  # glibc's default cap on the number of mmapped blocks
+NEVER_TRIM = 2**31 - 1  # the largest int: the heap top is returned only past 2 GiB free
+
+_policy: Policy = "default"
+_libc: ctypes.CDLL | None = None
+_libc_missing = False
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """libc with mallopt and malloc_trim, or None when this is not glibc."""
+    global _libc, _libc_missing
+    if _libc is None and not _libc_missing:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            _libc = libc
+        except (OSError, AttributeError):  # musl, macOS, Windows: nothing to tune
+            _libc_missing = True
+    return _libc
+
+
+def current_malloc_policy() -> Policy:
+    return _policy
+
+
+def set_malloc_policy(policy: Policy) -> Policy:
+    """Apply `policy` process-wide; returns the previous one. `default` cannot be re-applied once another
+    policy was set (see the module docstring): asking for it then leaves the current policy in place."""
+    global _policy
+    if policy not in POLICIES:
+        raise ValueError(f"malloc policy {policy!r} is not one of {', '.join(POLICIES)}")
+    previous = _policy
+    libc = _glibc() if os.name == "posix" else None
+    if libc is None or policy == previous or policy == "default":
+        return previous
+    if policy == "hold":
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+    else:
+        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+        libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, RELEASE_THRESHOLD)
+        libc.malloc_trim(0)  # what a hold phase left free in the heap goes back now, not at its next trim
+    _policy = policy
+    return previous
+
+
+@contextmanager
+def malloc_policy(policy: Policy) -> Iterator[None]:
+    """`policy` for the duration of the block, then the previous one (a previous `default` stays
+    whatever the block set: glibc's own policy cannot be restored)."""
+    previous = set_malloc_policy(policy)
+    try:
+        yield
+    finally:
+        set_malloc_policy(previous)
