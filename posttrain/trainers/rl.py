@@ -153,7 +153,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
         adv, returns, adv_metrics = _advantages(run, data, behaviour, ref, values, loss_mask)
     metrics.update(adv_metrics)
     with timer("update"):
-        update_metrics, train_tokens = update_policy(run, step, data, adv, old, ref, values, returns, loss_mask, timer)
+        update_metrics, train_tokens = update_policy(run, step, data, adv, old, ref, values, returns, loss_mask)
     metrics.update(update_metrics)
     metrics["tokens/train_per_s"] = train_tokens / max(timer.seconds["update"], 1e-9)
     metrics["policy_version"] = run.llm.policy_version

@@ -16,7 +16,7 @@ from posttrain.models.moe import moe_blocks, router_loss_and_metrics
 from posttrain.trainers.optim import optimizer_step
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups
 from posttrain.trainers.rl_config import rank_batch_sizes
-from posttrain.trainers.rl_metrics import StepTimer, WeightedMeans
+from posttrain.trainers.rl_metrics import WeightedMeans
 from posttrain.trainers.rl_run import RLRun, policy_forward
 from posttrain.trainers.rollout import RolloutBatch
 from posttrain.trainers.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free
@@ -91,8 +91,7 @@ def _share(aggregation: str, mask: Tensor, totals: dict[str, float]) -> float:
 
 
 def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tensor | None, ref: Tensor | None,
-                  old_values: Tensor | None, returns: Tensor | None, loss_mask: Tensor,
-                  timer: StepTimer) -> tuple[dict[str, float], int]:
+                  old_values: Tensor | None, returns: Tensor | None, loss_mask: Tensor) -> tuple[dict[str, float], int]:
     """Epochs x minibatches of optimizer steps; returns the metrics and the tokens processed."""
     cfg, algo = run.cfg, run.algo
     parallel = run.parallel
