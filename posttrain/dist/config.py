@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 STRATEGIES = ("none", "ddp", "fsdp2")
+ROLLOUT_WEIGHTS = ("whole", "per_layer")
 
 
 @dataclass
@@ -23,9 +24,20 @@ class DistSection:
     # bf16 compute with fp32 master weights and fp32 gradient reduction; CUDA only (on CPU runs stay fp32,
     # with a warning). Needs model.dtype=float32 (the master weights).
     mixed_precision: bool = False
+    # fsdp2 only: the weights the rollout engine runs on (RL rollouts, on-policy distillation, held-out sampling).
+    # whole: every parameter gathered once per rollout, a full copy per rank meanwhile, no collectives while
+    # generating. per_layer: FSDP2 gathers one decoder layer at a time inside every engine forward (the least
+    # memory; all-gathers every step, and the ranks generate in lockstep). See docs/distributed.md.
+    rollout_weights: Literal["whole", "per_layer"] = "whole"
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.strategy != "fsdp2" and not self.reshard_after_forward:
             raise ValueError(f"reshard_after_forward=false applies to strategy fsdp2 only (strategy is {self.strategy})")
+        if self.rollout_weights not in ROLLOUT_WEIGHTS:
+            raise ValueError(f"rollout_weights must be one of {', '.join(ROLLOUT_WEIGHTS)}, "
+                             f"got {self.rollout_weights!r}")
+        if self.rollout_weights == "per_layer" and self.strategy != "fsdp2":
+            raise ValueError(f"rollout_weights=per_layer gathers FSDP2's sharded layers and applies to strategy fsdp2 "
+                             f"only (strategy is {self.strategy}, whose ranks hold whole weights)")

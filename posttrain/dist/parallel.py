@@ -27,6 +27,7 @@ from torch import nn
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import DistContext
 from posttrain.dist.export import meta_skeleton, whole_copy
+from posttrain.dist.lockstep import Lockstep
 from posttrain.errors import ConfigError
 
 logger = logging.getLogger("posttrain.dist")
@@ -130,6 +131,13 @@ class Parallel:
         with torch.no_grad():
             root(_nothing)
         root.reshard()  # type: ignore[operator]  # the root's Parameters are its shards again (the optimizer's)
+        if self.section.rollout_weights == "per_layer":
+            # FSDP2 creates a group's full-size parameter buffers at its first all-gather and reuses them after.
+            # Made inside the engine's inference mode (its first layer-by-layer forward), they would be inference
+            # tensors, which the training forward's gather may not write into: make them now, one layer at a time.
+            for layer in model.layers:
+                layer.unshard()
+                layer.reshard()
         return root
 
     def whole(self, module: nn.Module) -> nn.Module | None:
@@ -203,6 +211,34 @@ class Parallel:
             for group in groups:
                 group.reshard()
             for layer in self.model.layers:
+                layer.set_reshard_after_forward(self.section.reshard_after_forward, recurse=False)
+
+    @contextlib.contextmanager
+    def rollout(self) -> Iterator[Lockstep]:
+        """Around a rollout (every engine call over the live model), on every rank together: the weights as
+        `dist.rollout_weights` says. Yields the `Lockstep` to put each engine call in (`with lockstep(): ...`);
+        it is off (a no-op) except with per_layer."""
+        if self.section.rollout_weights != "per_layer" or self.strategy != "fsdp2":
+            with self.full_weights():
+                yield Lockstep.off()
+            return
+        with self._layer_by_layer() as lockstep:
+            yield lockstep
+
+    @contextlib.contextmanager
+    def _layer_by_layer(self) -> Iterator[Lockstep]:
+        """The root group's parameters (embeddings, tied LM head, final norm, a value head) whole throughout;
+        each decoder layer gathered by its own pre-forward hook and freed after its forward, so at most one
+        layer's full weights exist at a time beside the root's."""
+        root, layers = self.wrapped, list(self.model.layers)
+        root.unshard()  # type: ignore[union-attr]  # the root group only: the layers are groups of their own
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+        try:
+            yield Lockstep(layers, next(iter(root.parameters())).device)  # type: ignore[union-attr]
+        finally:
+            root.reshard()  # type: ignore[union-attr]
+            for layer in layers:
                 layer.set_reshard_after_forward(self.section.reshard_after_forward, recurse=False)
 
     def shard(self, items: Sequence[T]) -> list[T]:

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -51,7 +52,7 @@ from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
-from posttrain.trainers.rollout import prompt_seed_base
+from posttrain.trainers.rollout import EngineCall, prompt_seed_base
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
 from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
@@ -150,15 +151,18 @@ def prompt_of(row: TokenizedRow) -> list[int]:
 
 
 def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams, seeds: Sequence[int] | None = None,
-                 keep_empty: bool = False) -> list[TokenizedRow]:
+                 keep_empty: bool = False, lockstep: EngineCall = nullcontext) -> list[TokenizedRow]:
     """Prompt + student sample as rows labelled on the sampled tokens. `seeds`: prompt i's request is seeded with
     seeds[i]. An empty sample is dropped, or with `keep_empty` kept as a prompt-only row with no targets (under
-    torchrun every rank must run the same forwards, even one whose samples all came back empty)."""
+    torchrun every rank must run the same forwards, even one whose samples all came back empty). `lockstep`: the
+    engine call runs inside it (`Parallel.rollout`)."""
     per_prompt: SamplingParams | list[SamplingParams] = params
     if seeds is not None:
         per_prompt = [replace(params, seed=seed) for seed in seeds]
+    with lockstep():
+        outputs = llm.generate(list(prompts), per_prompt)
     rows = []
-    for prompt, out in zip(prompts, llm.generate(list(prompts), per_prompt)):
+    for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0].token_ids
         if completion or keep_empty:
             rows.append(TokenizedRow(list(prompt) + list(completion), [IGNORE_INDEX] * len(prompt) + list(completion)))
@@ -262,8 +266,8 @@ def train_distill(cfg: DistillConfig) -> Path:
         places = parallel.shard(list(enumerate(next(prompt_stream), start=micro * train_cfg.batch_size)))
         seeds = [prompt_seed_base(train_cfg.seed, step) + place for place, _ in places] if cfg.seed_prompts else None
         student.eval()
-        with parallel.full_weights():  # FSDP2: the engine runs on whole weights, gathered once (docs/distributed.md)
-            sampled = sampled_rows(llm, [p for _, p in places], params, seeds, keep_empty=sharded)
+        with parallel.rollout() as lockstep:  # FSDP2: whole weights, or layer by layer (docs/distributed.md)
+            sampled = sampled_rows(llm, [p for _, p in places], params, seeds, keep_empty=sharded, lockstep=lockstep)
         student.train()
         return sampled
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
 from posttrain.dist.env import barrier, broadcast_object, is_main, reduce_metrics
+from posttrain.dist.lockstep import Lockstep
 from posttrain.errors import PosttrainError
 from posttrain.trainers.adapters import save_final_dir
 from posttrain.trainers.distributed import save_final_parallel
@@ -52,10 +53,16 @@ from posttrain.trainers.rollout import collect_rollout, evaluate, prompt_seed_ba
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Under torchrun: metrics that are each rank's part of a total (the others are averaged over the ranks).
-SUMMED_METRICS = frozenset({"num_samples", "dapo/kept_groups", "reward/unscorable", "tokens/rollout_per_s", "tokens/train_per_s"})
+SUMMED_METRICS = frozenset({"num_samples", "dapo/kept_groups", "reward/unscorable", "tokens/rollout_per_s", "tokens/train_per_s",
+                            "rollout/idle_forwards"})
 
 
 # ----------------------------------------------------------------------------- one step
+
+
+def _rollout_weights(run: RLRun) -> AbstractContextManager[Lockstep]:
+    """The weights the engine runs on (see `Parallel.rollout`); one process: the model as it is."""
+    return run.parallel.rollout() if run.parallel is not None else nullcontext(Lockstep.off())
 
 
 def _advantages(run: RLRun, data: StepBatch, behaviour: Tensor, ref: Tensor | None,
@@ -113,16 +120,19 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     parallel = run.parallel
     sharded = parallel is not None and parallel.wrapped is not None
     world = parallel.world if parallel is not None else 1
-    with parallel.full_weights() if parallel is not None else nullcontext():  # FSDP2: the engine needs whole weights
+    with _rollout_weights(run) as lockstep:  # FSDP2: whole weights, or layer by layer in lockstep
         batch, stats = collect_rollout(
             run.llm, run.source, cfg.rollout.prompts_per_step, run.params, run.specs, run.overlong,
             run.algo.dynamic_sampling, cfg.dapo.max_refill_rounds,
             shard=parallel.shard if sharded else None,
             seed_base=prompt_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
+            lockstep=lockstep,
         )
     timer.seconds["rollout"] = stats.rollout_s
     timer.seconds["reward"] = stats.reward_s
     metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
+    if lockstep.active:  # engine forwards this rank ran only to take part in the others' gathers
+        metrics["rollout/idle_forwards"] = lockstep.idle_forwards
     if run.algo.dynamic_sampling:
         metrics.update({"dapo/refill_rounds": stats.refill_rounds, "dapo/extra_prompts": stats.extra_prompts,
                         "dapo/dropped_groups": stats.dropped_groups,
@@ -180,8 +190,9 @@ def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
     max_tokens = run.cfg.eval.max_tokens or run.cfg.rollout.max_tokens
     # Under torchrun every rank evaluates every held-out prompt (greedy: the same answers everywhere), so the
     # ranks stay in step with no reduction; rank 0 writes.
-    with run.parallel.full_weights() if run.parallel is not None else nullcontext():
-        metrics, samples = evaluate(run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold)
+    with _rollout_weights(run) as lockstep:
+        metrics, samples = evaluate(run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold,
+                                    lockstep=lockstep)
     metrics["time/eval_s"] = time.perf_counter() - start
     if not is_main():
         return metrics

@@ -433,6 +433,9 @@ def validate_config(cfg: RLConfig) -> None:
     _need(micro % group == 0,
           f"train.micro_batch_size={micro} is not a whole number of groups of rollout.samples_per_prompt={group}")
     _need(minibatch % micro == 0, f"train.micro_batch_size={micro} does not divide train.minibatch_size={minibatch}")
+    _need(not (cfg.dist.rollout_weights == "per_layer" and cfg.rollout.engine.cuda_graphs),
+          "dist.rollout_weights=per_layer all-gathers each layer inside every engine forward, which a captured CUDA "
+          "graph cannot replay: set rollout.engine.cuda_graphs=false (or dist.rollout_weights=whole)")
     algo = resolve_algorithm(cfg)
     if algo.advantage in ("grpo", "dr_grpo", "rloo"):
         _need(group >= 2, f"rollout.samples_per_prompt={group}: a group baseline ({algo.advantage}) needs >= 2 samples")

@@ -147,7 +147,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     scheduler = build_scheduler(optimizer, total_steps=total, schedule=optim.schedule,
                                 warmup_steps=warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
                                 min_lr_ratio=optim.min_lr_ratio)
-    with parallel.full_weights():
+    with parallel.rollout():  # no forward: the engine sizes its KV pool from the (gathered) parameters' dtype
         llm = LLM(model=model, tokenizer=tokenizer, config=engine_config(cfg))
     params = SamplingParams(
         n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,

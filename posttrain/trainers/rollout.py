@@ -17,6 +17,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -262,15 +263,21 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     )
 
 
+EngineCall = Callable[[], AbstractContextManager[None]]  # a context around one engine call: `Parallel.rollout`'s
+
+
 def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams,
-                    seeds: list[int] | None = None, use_tqdm: bool = False) -> RolloutBatch:
+                    seeds: list[int] | None = None, use_tqdm: bool = False,
+                    lockstep: EngineCall = nullcontext) -> RolloutBatch:
     """n = params.n samples of each row's prompt from the engine, with their sampling logprobs; with `seeds`,
     row i's request is seeded with seeds[i] (its samples then depend on nothing else: not on the batch).
-    `use_tqdm`: the engine's progress bar over the prompts."""
+    `use_tqdm`: the engine's progress bar over the prompts. `lockstep`: the engine call runs inside it (under
+    torchrun with `dist.rollout_weights=per_layer`, every rank's call together)."""
     per_row: SamplingParams | list[SamplingParams] = params
     if seeds is not None:
         per_row = [replace(params, seed=seed) for seed in seeds]
-    outputs = llm.generate([row[PROMPT_KEY] for row in rows], per_row, use_tqdm=use_tqdm)
+    with lockstep():
+        outputs = llm.generate([row[PROMPT_KEY] for row in rows], per_row, use_tqdm=use_tqdm)
     completion_ids, texts, logprobs, reasons, versions = [], [], [], [], []
     for output in outputs:
         for sample in output.outputs:
@@ -349,6 +356,7 @@ def collect_rollout(
     max_refill_rounds: int,
     shard: Callable[[list[Any]], list[Any]] | None = None,
     seed_base: int | None = None,
+    lockstep: EngineCall = nullcontext,
 ) -> tuple[RolloutBatch | None, RolloutStats]:
     """The step's scored batch. With dynamic sampling, only groups with differing rewards are kept and
     up to `max_refill_rounds` extra rollouts refill the batch to `num_prompts` groups; fewer may be
@@ -363,7 +371,7 @@ def collect_rollout(
     ranks all-gather which of their groups they keep, so every rank refills the same rounds; at the end they
     all-gather their kept groups, take the first `num_prompts` by place (the single process's batch) and deal
     them out strided again. A batch left short of `num_prompts` loses its last (count mod world size)
-    groups, so that every rank trains on the same number of groups."""
+    groups, so that every rank trains on the same number of groups. `lockstep`: see generate_groups."""
     stats = RolloutStats()
     drawn = 0  # prompts drawn this step, over all ranks: the place of the next one
     placed: list[int] = []  # the place of each group of this rank's last round
@@ -377,7 +385,7 @@ def collect_rollout(
             places = shard(places)
         placed = [place for place, _ in places]
         seeds = [seed_base + place * params.n for place, _ in places] if seed_base is not None else None
-        batch = generate_groups(llm, [row for _, row in places], params, seeds)
+        batch = generate_groups(llm, [row for _, row in places], params, seeds, lockstep=lockstep)
         stats.rollout_s += time.perf_counter() - start
         stats.generated_tokens += sum(len(ids) for ids in batch.completion_ids)
         start = time.perf_counter()
@@ -437,12 +445,15 @@ def collect_rollout(
 
 @torch.no_grad()
 def evaluate(
-    llm: LLM, rows: list[dict[str, Any]], specs: list[RewardSpec], max_tokens: int, threshold: float
+    llm: LLM, rows: list[dict[str, Any]], specs: list[RewardSpec], max_tokens: int, threshold: float,
+    lockstep: EngineCall = nullcontext,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Greedy accuracy on `rows`: the share of scorable samples whose total reward is >= threshold."""
+    """Greedy accuracy on `rows`: the share of scorable samples whose total reward is >= threshold.
+    `lockstep`: see generate_groups."""
     from posttrain.tasks import accuracy
 
-    batch = generate_groups(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens))
+    batch = generate_groups(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens),
+                            lockstep=lockstep)
     batch = score_groups(batch, specs, None)
     rewards = batch.rewards.tolist()
     try:

@@ -17,11 +17,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(nproc: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node nproc -m posttrain argv` with this worktree's package, one thread
-    per process; fails the test with the ranks' output when it exits non-zero."""
+    per process; fails the test with the ranks' output when it exits non-zero or runs past `timeout` seconds
+    (ranks out of step wait in a collective forever: torchrun and its ranks are then killed together)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "posttrain", *argv]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM: torchrun stops its ranks (each runs in a session of its own, out of reach of a group kill).
+            proc.terminate()
+            try:
+                stderr = proc.communicate(timeout=60)[1]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stderr = "(torchrun did not stop on SIGTERM)"
+            raise AssertionError(f"{' '.join(cmd)} still running after {timeout}s:\n{stderr[-6000:]}") from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
 

@@ -65,10 +65,12 @@ def test_two_processes_distill_as_one(strategy, tiny, one_process, tmp_path):
     assert max_difference(final_weights(out), final_weights(one_process)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_sample_and_distill_as_one(strategy, tiny, one_process_on_policy, tmp_path):
+@pytest.mark.parametrize("strategy, rollout_weights", [("ddp", "whole"), ("fsdp2", "whole"), ("fsdp2", "per_layer")])
+def test_two_processes_sample_and_distill_as_one(strategy, rollout_weights, tiny, one_process_on_policy, tmp_path):
+    """per_layer: the student's layers gathered one at a time in each engine forward, the ranks in lockstep."""
     student = tiny[0]
-    out = run_two_processes(tiny, tmp_path / "run", strategy, ON_POLICY_STEPS)
+    steps = [*ON_POLICY_STEPS, f"dist.rollout_weights={rollout_weights}"]
+    out = run_two_processes(tiny, tmp_path / "run", strategy, steps)
     got, want = read_metrics(out), read_metrics(one_process_on_policy)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for mine, theirs in zip(got, want):

@@ -112,3 +112,18 @@ def test_nproc_is_found_among_the_overrides_too():
     assert split_nproc(["cfg.yaml", "x=1"]) == (None, ["cfg.yaml", "x=1"])
     with pytest.raises(ConfigError, match="--nproc needs a number of processes, got 'two'"):
         split_nproc(["--nproc", "two"])
+
+
+def test_per_layer_rollout_weights_need_fsdp2_and_no_cuda_graphs():
+    from posttrain.trainers.rl_config import GRPOConfig
+
+    load_config(GRPOConfig, overrides=["dist.strategy=fsdp2", "dist.rollout_weights=per_layer"])
+    for strategy in ("none", "ddp"):
+        refused = rf"dist: rollout_weights=per_layer .* fsdp2 only \(strategy is {strategy}"
+        with pytest.raises(ConfigError, match=refused):
+            load_config(GRPOConfig, overrides=[f"dist.strategy={strategy}", "dist.rollout_weights=per_layer"])
+    with pytest.raises(ConfigError, match="dist.rollout_weights: must be one of 'whole', 'per_layer'"):
+        load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "dist.rollout_weights=layers"])
+    with pytest.raises(ConfigError, match=r"dist.rollout_weights=per_layer .* set rollout.engine.cuda_graphs=false"):
+        load_config(GRPOConfig, overrides=["dist.strategy=fsdp2", "dist.rollout_weights=per_layer",
+                                           "rollout.engine.cuda_graphs=true"])
