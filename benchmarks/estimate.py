@@ -1,4 +1,4 @@
-"""`posttrain estimate` against measured peak memory: short real runs of SFT (full and LoRA) and GRPO on
+"""`posttrain estimate` against measured peak memory: short real runs of SFT (full and LoRA), DPO and GRPO on
 the default model, each in its own process, peak RSS from the kernel (os.wait4's ru_maxrss).
 
 What is compared:
@@ -13,7 +13,8 @@ What is compared:
   plus the runtime overhead term, measured here once as the peak RSS of a process that imports torch and
   posttrain's trainers and loads the default tokenizer (what a training process holds before any model
   tensor). SFT shapes come from replaying the trainer's own batching (batch_stream + length_groups, the
-  same seed), checked against the token counts the run logged; GRPO shapes come from the run's metrics
+  same seed), checked against the token counts the run logged; DPO's from replaying its pair batches (the
+  same pairs, batch_stream and 2B-row padding); GRPO shapes come from the run's metrics
   (samples, mean response length, trained tokens) and the engine's KV-pool sizing rule.
 - time: the estimate's step seconds at the CPU default throughput against the logged step time
   (informative only: the machine is shared).
@@ -38,7 +39,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
-CASES = ("sft-full", "sft-lora", "grpo")
+HH = Path("/work/shared/data/hh-rlhf/harmless-pairs.jsonl.gz")
+CASES = ("sft-full", "sft-lora", "dpo", "grpo")
 ALLOCATORS = ("release", "keep")  # the values of model.cpu_memory
 OVERHEAD_PROBE = (
     "import torch, posttrain.trainers.sft, posttrain.trainers.rl\n"
@@ -53,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--sft-steps", type=int, default=3)
     parser.add_argument("--sft-rows", type=int, default=64, help="GSM8K rows read (a small slice)")
+    parser.add_argument("--dpo-steps", type=int, default=3)
+    parser.add_argument("--dpo-rows", type=int, default=64, help="hh-rlhf pairs read (a small slice)")
     parser.add_argument("--grpo-steps", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=0.15)
     parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS),
@@ -161,6 +165,62 @@ def run_sft(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
                   "step_seconds_estimate": round(seconds, 2), "step_seconds_measured": step_time})
 
 
+# ----------------------------------------------------------------------------- DPO
+
+
+def dpo_overrides(args: argparse.Namespace, out: Path, allocator: str) -> list[str]:
+    return [str(ROOT / "examples" / "dpo_hh.yaml"), f"data.path={HH}", f"data.max_rows={args.dpo_rows}",
+            "data.eval_fraction=0", "train.eval_every=0", f"train.max_steps={args.dpo_steps}", "train.progress=false",
+            f"out={out}", f"model.cpu_memory={allocator}"]
+
+
+def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, int]]]:
+    """Per step, the trainer's micro-batches as {pairs, width, targets, tokens}: the same pairs, batch_stream and
+    collate_pairs as `train_dpo` (2B rows, chosen then rejected, padded to the longest of all 2B)."""
+    from posttrain.config import parse_cli_config
+    from posttrain.models.hub import load_tokenizer, resolve_model_path
+    from posttrain.trainers.dpo import DPOConfig
+    from posttrain.trainers.loop import batch_stream
+    from posttrain.trainers.preference_data import load_pairs
+
+    cfg = parse_cli_config(DPOConfig, overrides)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.name_or_path))
+    pairs = load_pairs(cfg.data, tokenizer, cfg.train.seed).train
+    stream = batch_stream(range(len(pairs)), cfg.train.batch_size, seed=cfg.train.seed)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(cfg.train.grad_accum):
+            rows = [row for i in next(stream) for row in (pairs[i].chosen, pairs[i].rejected)]
+            micro.append({"pairs": len(rows) // 2, "width": max(len(r) for r in rows),
+                          "targets": sum(r.num_targets for r in rows), "tokens": sum(len(r) for r in rows)})
+        out.append(micro)
+    return out
+
+
+def run_dpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp: Path) -> dict[str, Any]:
+    """The default reference=precompute: its table is made before training, so no reference term."""
+    from posttrain.estimate import TrainingSetup, estimate_memory
+
+    measured, step_time = {}, {}
+    for allocator in args.allocators:
+        out = tmp / f"dpo-{allocator}"
+        overrides = dpo_overrides(args, out, allocator)
+        measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "dpo", *overrides], tmp / f"{out.name}.log")
+        metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "step_time" in r]
+        step_time[allocator] = round(metrics[-1]["step_time"], 2)
+    best: dict[str, Any] = {}
+    for micro in dpo_micro_batches(overrides, args.dpo_steps):
+        for index, mb in enumerate(micro):
+            prompt = mb["width"] - math.ceil(mb["targets"] / (2 * mb["pairs"]))  # N = 2B (L - P) targets
+            setup = TrainingSetup(trainer="dpo", batch=mb["pairs"], seq_len=mb["width"], prompt_len=prompt,
+                                  grad_accum=1 if index == 0 else 2, overhead_bytes=overheads[args.allocators[-1]])
+            est = estimate_memory(arch, setup)
+            if est.total_bytes > best.get("total_bytes", -1):
+                best = {**est.as_dict(), "shape": {**mb, "prompt_len": prompt, "index_in_step": index}}
+    return _case("dpo", best, measured, overheads, args.tolerance, {"step_seconds_measured": step_time})
+
+
 # ----------------------------------------------------------------------------- GRPO
 
 
@@ -246,6 +306,8 @@ def main() -> int:
         for case in args.cases:
             if case == "grpo":
                 results.append(run_grpo(args, arch, overheads, tmp))
+            elif case == "dpo":
+                results.append(run_dpo(args, arch, overheads, tmp))
             else:
                 results.append(run_sft(args, arch, overheads, tmp, lora=case == "sft-lora"))
             print(json.dumps(results[-1]), file=sys.stderr)
