@@ -55,7 +55,7 @@ from posttrain.trainers.resume import open_run
 from posttrain.trainers.rollout import EngineCall, prompt_seed_base
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
-from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
+from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
@@ -99,7 +99,6 @@ class DistillConfig:
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
-        check_dist_options("distill", self.dist, self.lora, self.quant)
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"loss: unknown loss {self.loss!r} (choose from {', '.join(DISTILL_LOSSES)})")
         if not 0.0 <= self.beta <= 1.0:

@@ -23,23 +23,9 @@ from posttrain.dist.env import DistContext, barrier, init_distributed, is_main
 from posttrain.dist.parallel import Parallel
 from posttrain.errors import ConfigError
 from posttrain.metrics import MetricsLogger
-from posttrain.peft import LoraConfig
 from posttrain.run_dir import final_dir
 from posttrain.trainers.adapters import save_final_dir
 from posttrain.trainers.sections import ModelSection
-
-
-def check_dist_options(command: str, dist: DistSection, lora: LoraConfig | None, quant: str | None) -> None:
-    """Refuse what is not checked under FSDP2 (ValueError naming the keys; a config's validate() calls this).
-
-    `posttrain sft` and `dpo` shard LoRA, QLoRA and QAT models (tests/distributed compares them with one
-    process); the commands that call this have not been compared with adapters under FSDP2 yet."""
-    if dist.strategy == "fsdp2":
-        for key, value in (("lora", lora), ("quant", quant)):
-            if value is not None:
-                raise ValueError(f"dist.strategy=fsdp2 with {key}: runs for `posttrain sft` and `posttrain dpo`; "
-                                 f"`posttrain {command}` has not been checked against one process with sharded "
-                                 "adapters yet: use dist.strategy=ddp")
 
 
 def join_processes(dist: DistSection, model: ModelSection) -> tuple[DistContext, ModelSection]:

@@ -48,7 +48,7 @@ from posttrain.trainers.preference_data import PairRow, load_pairs
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
-from posttrain.trainers.distributed import check_dist_options, join_processes, main_metrics, save_final_parallel
+from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
@@ -69,7 +69,6 @@ class RMConfig:
 
     def validate(self) -> None:
         check_adapter_options(self.lora, self.quant)
-        check_dist_options("rm", self.dist, self.lora, self.quant)
         if self.center_rewards_coefficient < 0:
             raise ValueError(f"center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
         if self.data.eval_fraction == 0 and not self.data.eval_path and self.train.eval_every:

@@ -296,10 +296,6 @@ class GRPOConfig:
         _need(self.algorithm in ALGORITHMS, f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}"
               " (PPO is `posttrain ppo`)")
         validate_config(self)
-        if self.dist.strategy != "none":
-            from posttrain.trainers.distributed import check_dist_options
-
-            check_dist_options("grpo", self.dist, self.lora, self.quant)
 
 
 @dataclass
@@ -329,10 +325,6 @@ class PPOConfig:
         _need(self.loss.advantage in (None, "gae"), "PPO's advantage is GAE; leave loss.advantage unset")
         _need(self.loss.policy_loss in (None, "ppo_clip", "dapo"), "PPO's policy loss is ppo_clip or dapo")
         validate_config(self)
-        if self.dist.strategy != "none":
-            from posttrain.trainers.distributed import check_dist_options
-
-            check_dist_options("ppo", self.dist, self.lora, self.quant)
 
 
 RLConfig = GRPOConfig | PPOConfig

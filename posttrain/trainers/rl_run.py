@@ -120,9 +120,12 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
 
         model, tokenizer = load_model(model_section.name_or_path, dtype=model_section.dtype, device=model_section.device)
     check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
+    # The adapters' random initial weights come from one seed on every rank: FSDP2 keeps each rank's shard of
+    # what that rank drew (DDP would broadcast rank 0's), so the ranks must all draw one process's values.
+    torch.manual_seed(cfg.train.seed)
+    prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)  # adapters (over a quantized base with quant)
     # Each rank's unseeded rollouts draw from their own stream (rank 0's is the single-process one).
     torch.manual_seed(cfg.train.seed + ctx.rank)
-    prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)  # adapters (over a quantized base with quant)
     reference = None
     if cfg.kl.beta > 0 and not has_adapters(model):
         reference = copy.deepcopy(model).eval().requires_grad_(False)  # a whole frozen copy on every rank

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.metrics import read_metrics
+from posttrain.peft.peft_format import ADAPTER_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,6 +48,23 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def one_process(argv: list[str]) -> None:
+    """`posttrain argv` in this process (strategy none): the single process a torchrun run is compared with."""
+    from posttrain.cli import main
+
+    assert main(argv) == 0, argv
+
+
+def final_files(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """final/'s tensor files by name, each loaded: the PEFT adapter and, where the trainer writes one, the
+    score or value head beside it."""
+    return {path.name: load_file(str(path)) for path in sorted((run_dir / "final").glob("*.safetensors"))}
+
+
+def final_adapter_config(run_dir: Path) -> dict:
+    return json.loads((run_dir / "final" / ADAPTER_CONFIG).read_text())
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

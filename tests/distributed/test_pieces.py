@@ -32,28 +32,24 @@ def test_strategy_none_under_a_multi_process_launch_is_refused(monkeypatch):
         init_distributed("none", "cpu")
 
 
-def test_config_takes_fsdp2_with_adapters_where_checked_and_refuses_unknown_strategies(tmp_path):
+def test_every_trainer_takes_fsdp2_with_adapters_and_refuses_unknown_strategies():
+    from posttrain.trainers.distill import DistillConfig
     from posttrain.trainers.dpo import DPOConfig
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.reward_model import RMConfig
+    from posttrain.trainers.rl_config import GRPOConfig, PPOConfig
 
-    load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "lora.r=4", "quant=int8"])
+    qlora = ["dist.strategy=fsdp2", "lora.r=4", "quant=int8"]
+    load_config(SFTConfig, overrides=["data.path=x.jsonl", *qlora])
     load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "qat=int8"])
-    load_config(DPOConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "lora.r=4"])
-    with pytest.raises(Exception, match=r"dist.strategy=fsdp2 with lora: runs for `posttrain sft` and `posttrain dpo`; "
-                                        r"`posttrain grpo` has not been checked"):
-        load_config(GRPOConfig, overrides=["dist.strategy=fsdp2", "lora.r=4"])
+    load_config(DPOConfig, overrides=["data.path=x.jsonl", *qlora])
+    load_config(RMConfig, overrides=["data.path=x.jsonl", *qlora])
+    load_config(DistillConfig, overrides=["data.path=x.jsonl", "teacher.name_or_path=t", *qlora])
+    load_config(GRPOConfig, overrides=[*qlora, "dist.rollout_weights=per_layer"])
+    load_config(PPOConfig, overrides=qlora)
     with pytest.raises(Exception, match="dist.strategy"):
         load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=zero3"])
     with pytest.raises(Exception, match="reshard_after_forward=false applies to strategy fsdp2 only"):
         load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=ddp", "dist.reshard_after_forward=false"])
-
-
-def test_reward_models_take_fsdp2_but_not_with_adapters_yet():
-    from posttrain.trainers.reward_model import RMConfig
-
-    load_config(RMConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2"])
-    with pytest.raises(Exception, match="`posttrain rm` has not been checked against one process"):
-        load_config(RMConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "lora.r=4"])
 
 
 def test_batch_wide_methods_refuse_data_parallelism_by_name():
