@@ -38,7 +38,7 @@ def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=0, help="skip this many rows first (e.g. to score the last ones)")
     parser.add_argument("--max-rows", type=int, default=None, help="score at most this many rows")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per row, longer rows are cut (default 1024)")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows the engine prefills together (default 8)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

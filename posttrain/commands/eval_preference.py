@@ -32,7 +32,7 @@ def preference_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a longer sequence: cut (default; the RM keeps the last tokens) or skip the pair as bad")
     data.add_argument("--max-bad-row-fraction", type=float, default=0.0,
                       help="fail when more than this fraction of rows is bad (default 0: any bad row fails)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences scored together (default 8)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -73,14 +73,14 @@ class BlockManager:
     # ---- prefix cache -----------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding seq's leading full blocks, never the block of its last token
-        (that token must be computed: its logits give the next token). Changes nothing."""
+        """Cached blocks holding seq's leading full blocks within its `num_reusable_tokens` (never the
+        block of its last token, whose logits give the next token). Changes nothing."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
         parent: int | None = None
         bs = self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
+        for i in range(seq.num_reusable_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = seq.block_hashes[i] if i < len(seq.block_hashes) else hash_block(parent, tokens)
             block_id = self.hash_to_block.get(h)

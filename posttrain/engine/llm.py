@@ -112,8 +112,10 @@ class LLM:
         for request_id, (text, token_ids), sp in zip(ids, encoded, params_list):
             self.engine.add_request(request_id, token_ids, sp, prompt=text)
         results: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(batch), sum(sp.n for sp in params_list)) if use_tqdm else None
-        tokens_before = self.engine.num_generated_tokens
+        scoring = all(sp.max_tokens == 0 for sp in params_list)  # prefill only: the rate counts prompt tokens
+        desc = "score" if scoring else f"generate ({sum(sp.n for sp in params_list)} samples)"
+        bar = _progress_bar(len(batch), desc) if use_tqdm else None
+        tokens_before = self._tokens_done(scoring)
         try:
             with self.engine.runner.malloc_scope():
                 while len(results) < len(batch):
@@ -121,7 +123,7 @@ class LLM:
                         results[output.request_id] = output
                         if bar is not None:
                             bar.update(1)
-                            tokens = self.engine.num_generated_tokens - tokens_before
+                            tokens = self._tokens_done(scoring) - tokens_before
                             bar.set_postfix_str(f"tok/s={_rate(bar, tokens)}", refresh=False)
                     if not self.engine.has_unfinished_requests() and len(results) < len(batch):
                         raise RuntimeError("engine finished without completing every request")
@@ -133,6 +135,9 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[request_id] for request_id in ids]
+
+    def _tokens_done(self, scoring: bool) -> int:
+        return self.engine.num_processed_tokens if scoring else self.engine.num_generated_tokens
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Generate for one prompt, yielding what each sample adds as it is produced. Text that could
@@ -200,10 +205,10 @@ class LLM:
         return self.engine.stats()
 
 
-def _progress_bar(num_prompts: int, num_samples: int) -> Any:
+def _progress_bar(num_prompts: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=num_prompts, desc=f"generate ({num_samples} samples)", unit="prompt", dynamic_ncols=True)
+    return tqdm(total=num_prompts, desc=desc, unit="prompt", dynamic_ncols=True)
 
 
 def _rate(bar: Any, tokens: int) -> str:

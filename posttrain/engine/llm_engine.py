@@ -15,6 +15,7 @@ import torch
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.outputs import CompletionOutput, RequestOutput
+from posttrain.engine.prompt_logprobs import PromptLogprobs
 from posttrain.engine.runner import ModelRunner
 from posttrain.engine.sampling import SamplingParams, make_generator
 from posttrain.engine.scheduler import Scheduler
@@ -35,6 +36,7 @@ class _Request:
     detokenizers: list[Any] = field(default_factory=list)  # by sample index, when text is tracked per step
     texts: list[str | None] = field(default_factory=list)  # final text per sample, once finished
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # filled by the first sequence's prefill, when asked for
 
     @property
     def finished(self) -> bool:
@@ -108,6 +110,8 @@ class LLMEngine:
         request = _Request(request_id, prompt, list(prompt_token_ids), params, stream, [seq] + [None] * (params.n - 1))
         request.texts = [None] * params.n
         request.detokenizers = [None] * params.n
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = seq.prompt_logprobs = PromptLogprobs(len(prompt_token_ids), params.prompt_logprobs)
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
@@ -126,14 +130,18 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise PosttrainError(f"request {request_id!r}: prompt token id {bad!r} is not in [0, {vocab})")
-        if n_tokens >= self.max_model_len:
+        if params.max_tokens == 0 and n_tokens > self.max_model_len:  # prefill only: the prompt may fill it
+            raise PosttrainError(f"request {request_id!r}: prompt of {n_tokens} tokens is longer than "
+                                 f"max_model_len={self.max_model_len}")
+        if params.max_tokens != 0 and n_tokens >= self.max_model_len:
             raise PosttrainError(f"request {request_id!r}: prompt of {n_tokens} tokens leaves no room to generate "
                                  f"within max_model_len={self.max_model_len}")
         if params.n > self.config.max_num_seqs:
             raise PosttrainError(f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if params.stop and self.tokenizer is None:
             raise PosttrainError(f"request {request_id!r}: stop strings need a tokenizer (the engine has none)")
-        longest = min(n_tokens + (params.max_tokens or self.max_model_len), self.max_model_len)
+        new_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
+        longest = min(n_tokens + new_tokens, max(n_tokens, self.max_model_len))
         blocks = self.block_manager.blocks_for_tokens(longest)
         if blocks > self.num_blocks:
             raise PosttrainError(
@@ -172,7 +180,7 @@ class LLMEngine:
                 raise RuntimeError("engine stalled: no sequence could be scheduled")
             return []
         try:
-            logits = self.runner.execute(batch)  # (R, V)
+            out = self.runner.execute(batch)
         except BaseException:
             # Blocks published for this step hold no valid K/V now.
             self.block_manager.reset_prefix_cache()
@@ -180,22 +188,26 @@ class LLMEngine:
             raise
         self.num_steps += 1
         self.num_processed_tokens += batch.num_batched_tokens
-        groups: list[list[Sequence]] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        groups: list[list[Sequence]] = []  # group i: the sequences that draw from logits row i
+        for seq, num_new, chunk in zip(batch.seqs, batch.num_new_tokens, out.prompt_logprobs):
+            if chunk is not None:
+                seq.prompt_logprobs.add(chunk)
             seq.num_cached_tokens += num_new
             if seq.num_cached_tokens == seq.num_tokens:
                 groups.append([seq, *self._fork(seq)] if seq.num_forks else [seq])
         if not groups:
             return []
-        drawn = self.runner.sample(logits, groups, self.eos_token_ids)
-        token_ids, logprobs = drawn.token_ids.tolist(), drawn.logprobs.tolist()
-        top = drawn.top_logprobs
         touched: dict[str, _Request] = {}
-        for row, seq in enumerate(seq for group in groups for seq in group):
-            request = self.requests[seq.request_id]
-            self._append_token(request, seq, token_ids[row], logprobs[row], top[row] if top is not None else None)
-            touched[seq.request_id] = request
-        self.num_generated_tokens += len(token_ids)
+        drawing: list[int] = []  # the groups that draw a token now
+        for i, group in enumerate(groups):
+            if group[0].params.max_tokens == 0:  # the prefill was all the request wanted
+                for seq in group:
+                    touched[seq.request_id] = self._end_without_output(seq)
+            else:
+                drawing.append(i)
+        if drawing:
+            logits = out.logits if len(drawing) == len(groups) else out.logits[drawing]  # (R', V)
+            self._draw(logits, [groups[i] for i in drawing], touched)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -217,12 +229,35 @@ class LLMEngine:
             request.seqs[child.index] = child
         return children
 
+    def _draw(self, logits: torch.Tensor, groups: list[list[Sequence]], touched: dict[str, _Request]) -> None:
+        """Sample one token for every sequence of `groups` (group i from logits row i) and append it."""
+        drawn = self.runner.sample(logits, groups, self.eos_token_ids)
+        token_ids, logprobs = drawn.token_ids.tolist(), drawn.logprobs.tolist()
+        top = drawn.top_logprobs
+        for row, seq in enumerate(seq for group in groups for seq in group):
+            request = self.requests[seq.request_id]
+            self._append_token(request, seq, token_ids[row], logprobs[row], top[row] if top is not None else None)
+            touched[seq.request_id] = request
+        self.num_generated_tokens += len(token_ids)
+
+    def _end_without_output(self, seq: Sequence) -> _Request:
+        """Finish a max_tokens=0 sequence at the end of its prefill, with no token."""
+        request = self.requests[seq.request_id]
+        self._start_output(request, seq)
+        request.texts[seq.index] = ""
+        self.scheduler.finish(seq, "length")
+        return request
+
+    def _start_output(self, request: _Request, seq: Sequence) -> None:
+        """The prompt is done: record the weights in force and (once per request) the prefix-cache hits."""
+        seq.policy_version = self.policy_version
+        if seq.index == 0:
+            request.num_cached_tokens = seq.num_cache_hit_tokens
+
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob: float, top: Any) -> None:
         params = seq.params
         if seq.num_output_tokens == 0:
-            seq.policy_version = self.policy_version
-            if seq.index == 0:
-                request.num_cached_tokens = seq.num_cache_hit_tokens
+            self._start_output(request, seq)
         seq.token_ids.append(token)
         seq.output_logprobs.append(logprob)
         if top is not None:
@@ -305,8 +340,11 @@ class LLMEngine:
                 stop_reason=seq.stop_reason,
                 policy_version=seq.policy_version,
             ))
+        prompt_logprobs = request.prompt_logprobs
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             finished=request.finished, num_cached_tokens=request.num_cached_tokens)
+                             finished=request.finished, num_cached_tokens=request.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs.entries() if prompt_logprobs else None,
+                             prompt_top_logprobs=prompt_logprobs.top_entries() if prompt_logprobs else None)
 
     # ---- weights and memory ---------------------------------------------------------------------------
 

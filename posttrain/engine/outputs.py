@@ -37,6 +37,11 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts
+    # it), else log_softmax(raw logits at the position before)[token] (no temperature, no penalties).
+    prompt_logprobs: list[float | None] | None = None
+    # With prompt_logprobs=k > 0: per prompt token (None for the first), the k most likely (token, logprob).
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def policy_version(self) -> int | None:

@@ -1,7 +1,8 @@
 """The model runner: a scheduled batch of sequences -> flat tensors -> the model's paged path -> samples.
 
 It owns the KV pool (one zero-initialised tensor per layer) and the device-side work of a step:
-copy-on-write block copies, the forward pass, projecting only the rows that sample, and sampling.
+copy-on-write block copies, the forward pass, projecting only the rows that sample (and the prompt
+positions of requests that asked for prompt logprobs), and sampling.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import torch
 
 from posttrain.cpu_malloc import current_malloc_policy, malloc_policy, set_malloc_policy
 from posttrain.engine.config import EngineConfig
+from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
 from posttrain.engine.sampling import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
 from posttrain.errors import PosttrainError
 from posttrain.models.attention import PagedAttentionMetadata
+
+
+NO_POSITIONS = range(0)
 
 
 @dataclass
@@ -28,6 +33,23 @@ class StepInputs:
     positions: torch.Tensor  # (N,)
     meta: PagedAttentionMetadata
     sample_index: torch.Tensor  # (R,) row of the hidden states that each sampling sequence samples from
+    prompt: PromptRows | None = None  # the rows that give prompt logprobs; None when no sequence needs any
+
+
+@dataclass
+class PromptRows:
+    """The hidden-state rows of a step whose logits give prompt logprobs (M of them, across the batch)."""
+
+    index: torch.Tensor  # (M,) rows of the hidden states
+    targets: torch.Tensor  # (M,) the prompt token each row predicts
+    counts: list[int]  # rows per sequence of the batch, in batch order
+    num_tops: list[int]  # alternatives each sequence asked for
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # (R, V) fp32, one row per sequence of the batch that reaches its last token
+    prompt_logprobs: list[PromptLogprobChunk | None]  # per sequence of the batch, in batch order
 
 
 class ModelRunner:
@@ -120,10 +142,16 @@ class ModelRunner:
         slots: list[int] = []
         sample_index: list[int] = []
         context_lens: list[int] = []
+        prompt_positions: list[range] = []  # per sequence: the positions whose logits give prompt logprobs
+        prompt_rows: list[int] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_cached_tokens
             end = start + num_new
             table = seq.block_table
+            wanted = NO_POSITIONS if seq.prompt_logprobs is None else seq.prompt_logprobs.positions_to_compute(start, end)
+            prompt_positions.append(wanted)
+            if wanted:  # their rows: this sequence's rows start at len(input_ids), for position `start`
+                prompt_rows.extend(range(len(input_ids) + wanted.start - start, len(input_ids) + wanted.stop - start))
             if num_new == 1:  # decode: the hot path
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -150,12 +178,17 @@ class ModelRunner:
             query_lens=as_tensor(batch.num_new_tokens),
             max_query_len=max(batch.num_new_tokens),
         )
-        return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(sample_index))
+        prompt = None
+        if prompt_rows:
+            targets = [seq.token_ids[p + 1] for seq, wanted in zip(batch.seqs, prompt_positions) for p in wanted]
+            num_tops = [0 if seq.prompt_logprobs is None else seq.prompt_logprobs.num_top for seq in batch.seqs]
+            prompt = PromptRows(as_tensor(prompt_rows), as_tensor(targets), [len(w) for w in prompt_positions], num_tops)
+        return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(sample_index), prompt)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the forward pass of one step; returns fp32 logits (R, V), one row per sequence of the batch
-        that reaches its last token (in batch order): the rows to sample from."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run the forward pass of one step: fp32 logits (R, V), one row per sequence of the batch that
+        reaches its last token (in batch order), the rows to sample from; and the step's prompt logprobs."""
         self.copy_blocks(batch.blocks_to_copy)
         inputs = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(inputs.meta):
@@ -163,8 +196,19 @@ class ModelRunner:
         else:
             hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions, attn_meta=inputs.meta)  # (N, d)
         if inputs.sample_index.numel() == 0:
-            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        return self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
+            logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
+        return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows | None, num_seqs: int
+                         ) -> list[PromptLogprobChunk | None]:
+        """Project only the rows that give prompt logprobs, in bounded chunks. hidden (N, d)."""
+        if rows is None:
+            return [None] * num_seqs
+        logprobs, top_values, top_ids = token_logprobs_and_top(
+            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops))  # (M,), (M, k), (M, k)
+        return split_by_sequence(logprobs, top_values, top_ids, rows.counts, rows.num_tops)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, groups: list[list[Sequence]], eos_token_ids: set[int]) -> SampleOutput:

@@ -67,8 +67,11 @@ class SamplingParams:
     """Per-request generation settings, with vLLM's names and defaults.
 
     `top_k` 0 or -1 turns top-k off. `logprobs`: None / False = no logprob output; True or 0 = the
-    sampled token's logprob; k > 0 = also the k most likely tokens. `stop` and `stop_token_ids`
-    are normalised to lists (empty when None).
+    sampled token's logprob; k > 0 = also the k most likely tokens. `prompt_logprobs`: None = off;
+    0 = each prompt token's logprob under the model's raw distribution (no temperature, no penalties;
+    see prompt_logprobs.py); k > 0 = also the k most likely tokens at each prompt position.
+    `max_tokens=0` prefills the prompt and generates nothing (scoring with `prompt_logprobs`).
+    `stop` and `stop_token_ids` are normalised to lists (empty when None).
     """
 
     n: int = 1
@@ -87,6 +90,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool | int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -125,8 +129,8 @@ class SamplingParams:
               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids >= 0")
         check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", "None or an integer >= 1")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+              "max_tokens", "None or an integer >= 0 (0: prefill only)")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens", f"<= max_tokens ({self.max_tokens})")
@@ -135,6 +139,8 @@ class SamplingParams:
         check(self.logprobs is None or isinstance(self.logprobs, bool)
               or (_is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "None, a bool or an integer >= 0")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "None or an integer >= 0")
         check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool")
 
     @property

@@ -48,6 +48,9 @@ class Sequence:
         self.num_forks = num_forks
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[Any] = []
+        # Set by the engine on a request's first sequence when it asks for prompt logprobs (a PromptLogprobs,
+        # filled as the prompt is prefilled); forks never get one: the parent computed them before forking.
+        self.prompt_logprobs: Any = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
@@ -79,6 +82,14 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V is still to be computed (1 while decoding, the rest of the prompt while prefilling)."""
         return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Leading tokens whose K/V may be taken from the prefix cache: all but the last (its logits give the
+        next token), and, while prompt logprobs are still being collected, only the positions that already
+        have theirs (a cached position skips the forward pass that would make its logits)."""
+        pending = self.prompt_logprobs is not None and not self.prompt_logprobs.done
+        return self.prompt_logprobs.num_known if pending else self.num_tokens - 1
 
     @property
     def is_finished(self) -> bool:

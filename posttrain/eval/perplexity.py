@@ -4,9 +4,9 @@ Each row is tokenized on its own (with the tokenizer's special tokens, e.g. a BO
 tokens, and every token after the first is scored given the ones before it. The mean runs over all scored
 tokens of all rows (rows weigh by their length), so ppl = exp(sum NLL / number of scored tokens).
 
-Rows are batched by length (longest first) and right-padded: under a causal mask a real token never sees
-the padding after it, so no attention mask is needed and the result does not depend on the batch size
-beyond float rounding. Logits are made in chunks of positions, so memory stays at (chunk, vocab).
+The rows go through the rollout engine as prefill-only requests asking for their prompt logprobs
+(eval/scoring.py): continuously batched without padding, the LM head run in bounded chunks of positions,
+and the same numbers as a dense forward pass (to float rounding; the batch size does not change them).
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.data.readers import read_rows, row_location
 from posttrain.data.validate import DataError
 from posttrain.errors import PosttrainError
-
-LOGIT_CHUNK = 2048  # positions per lm_head call: (2048, vocab) fp32 is 400 MB at a 49k vocabulary
+from posttrain.eval.scoring import token_logprobs
 
 
 @dataclass
@@ -68,49 +66,19 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str], max_length: int) -> tup
     return [ids[:max_length] for ids in rows], truncated
 
 
-@torch.no_grad()
-def sum_nll(model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[float, int]:
-    """Right-padded ids (B, T) with real lengths (B,) -> (sum of NLL over scored tokens, number scored)."""
-    T = ids.shape[1]
-    hidden = model.hidden_states(ids)  # (B, T, d); causal, so padding after a row changes nothing before it
-    scored = torch.arange(T - 1, device=ids.device)[None, :] < (lengths[:, None] - 1)  # (B, T-1)
-    h = hidden[:, :-1][scored]  # (n, d): positions that predict a real next token
-    targets = ids[:, 1:][scored]  # (n,)
-    total = 0.0
-    for start in range(0, h.shape[0], LOGIT_CHUNK):
-        logits = model.logits(h[start:start + LOGIT_CHUNK])  # (chunk, V) fp32
-        total += F.cross_entropy(logits, targets[start:start + LOGIT_CHUNK], reduction="sum").item()
-    return total, int(targets.numel())
-
-
 def perplexity(
     model: torch.nn.Module, token_rows: Sequence[Sequence[int]], batch_size: int = 8, progress: bool = False,
     truncated_rows: int = 0,
 ) -> PerplexityResult:
-    """Perplexity over tokenized rows (see the module docstring for what is scored)."""
+    """Perplexity over tokenized rows (see the module docstring for what is scored). `batch_size`: rows
+    prefilled together by the engine."""
     if batch_size < 1:
         raise PosttrainError(f"batch_size must be >= 1, got {batch_size}")
-    from tqdm.auto import tqdm
-
-    device = next(model.parameters()).device
-    order = sorted(range(len(token_rows)), key=lambda i: -len(token_rows[i]))
-    total_nll, total_tokens = 0.0, 0
-    with tqdm(total=len(order), desc="perplexity", unit="row", disable=not progress, dynamic_ncols=True) as bar:
-        for start in range(0, len(order), batch_size):
-            batch = [token_rows[i] for i in order[start:start + batch_size]]
-            lengths = torch.tensor([len(r) for r in batch], device=device)
-            if int(lengths.max()) >= 2:
-                ids = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long, device=device)  # (B, T)
-                for b, row in enumerate(batch):
-                    ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-                nll, n = sum_nll(model, ids, lengths)
-                total_nll, total_tokens = total_nll + nll, total_tokens + n
-            bar.update(len(batch))
-            if total_tokens:
-                bar.set_postfix(ppl=f"{math.exp(total_nll / total_tokens):.3f}")
-    if total_tokens == 0:
+    if all(len(row) < 2 for row in token_rows):
         raise PosttrainError("no tokens to score: every row has fewer than 2 tokens")
-    mean = total_nll / total_tokens
+    per_token = token_logprobs(model, token_rows, batch_size, progress)  # per row: len - 1 logprobs
+    total_tokens = sum(len(row) for row in per_token)
+    mean = -math.fsum(logprob for row in per_token for logprob in row) / total_tokens
     return PerplexityResult(math.exp(mean), mean, total_tokens, len(token_rows), truncated_rows)
 
 

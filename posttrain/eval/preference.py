@@ -1,11 +1,14 @@
 """Pairwise preference accuracy: how often a scorer ranks the chosen completion of a pair above the
 rejected one, and by how much (the margin, chosen minus rejected).
 
-Two scorers, each computed exactly as its trainer computes it, from the trainer's own pieces:
+Two scorers, each computing what its trainer computes:
 - a reward model (`posttrain rm`'s `final/`: HF directory + score.safetensors): the score head on the
-  last token of prompt + completion, tokenized with `encode_for_scoring` (what `RewardModelScorer` reads);
+  last token of prompt + completion, tokenized with `encode_for_scoring` (what `RewardModelScorer` reads),
+  a forward pass of the trainer's own pieces;
 - a DPO policy against its reference: the implicit reward beta * (log pi(y|x) - log pi_ref(y|x)), the
-  sums of the completion tokens' log-probabilities under the chat template's completion mask.
+  sums of the completion tokens' log-probabilities under the chat template's completion mask (the DPO
+  trainer's `sequence_logps`), here taken from the engine's prompt logprobs (eval/scoring.py): each
+  sequence is one prefill-only request, continuously batched.
 
 Pairs are read by the trainers' data layer (`load_pairs`): TRL's explicit (prompt / chosen / rejected)
 and implicit (chosen / rejected) preference rows, text or chat messages, and hh-rlhf transcripts.
@@ -18,6 +21,7 @@ accuracies do: an untrained DPO policy (all implicit rewards 0) then scores 0.5,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,9 +30,11 @@ from typing import Any
 import torch
 
 from posttrain.data.config import DataConfig
+from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.errors import PosttrainError
+from posttrain.eval.scoring import token_logprobs
 from posttrain.models.transformer import Transformer
-from posttrain.trainers.dpo import TIE_TOLERANCE, frozen_logps
+from posttrain.trainers.dpo import TIE_TOLERANCE
 from posttrain.trainers.preference_data import PairRow, TokenizePair, load_pairs, tokenize_pair_for_policy
 from posttrain.trainers.reward_model import tokenize_pair_for_scoring
 
@@ -137,19 +143,21 @@ def evaluate_dpo(
     if policy.config.vocab_size != reference.config.vocab_size:
         raise PosttrainError(f"the policy and the reference have different vocabularies "
                              f"({policy.config.vocab_size} vs {reference.config.vocab_size} tokens)")
-    pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     pairs, report = read_pairs(data, tokenizer, tokenize_pair_for_policy, **data_options)
-
-    def logps(model: Transformer, chunk: Sequence[PairRow]) -> torch.Tensor:
-        rows = [p.chosen for p in chunk] + [p.rejected for p in chunk]
-        return frozen_logps(model, rows, batch_size, pad_id).double()  # (2b,) summed completion logps
-
-    def score(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = pairs[part]
-        rewards = beta * (logps(policy, chunk) - logps(reference, chunk))  # (2b,)
-        return rewards[: len(chunk)], rewards[len(chunk):]
-
-    chosen, rejected = _in_chunks(len(pairs), score, progress, "dpo implicit reward")
+    rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    rewards = beta * (completion_logps(policy, rows, batch_size, progress)
+                      - completion_logps(reference, rows, batch_size, progress))  # (2P,)
+    chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
     result = pairwise_result(chosen, rejected, tie_tolerance, "dpo", report)
     result.beta = beta
     return result
+
+
+def completion_logps(model: Transformer, rows: Sequence[TokenizedRow], batch_size: int = 8,
+                     progress: bool = False) -> torch.Tensor:
+    """Each row's summed log-probabilities of its labelled (completion) tokens, as the DPO trainer's
+    `sequence_logps` sums them, from the engine's prompt logprobs. (R,) float64."""
+    per_token = token_logprobs(model, [row.input_ids for row in rows], batch_size, progress)  # row: len - 1
+    sums = [math.fsum(logprob for logprob, label in zip(logprobs, row.labels[1:]) if label != IGNORE_INDEX)
+            for logprobs, row in zip(per_token, rows)]  # labels[0]: nothing predicts the first token
+    return torch.tensor(sums, dtype=torch.float64)

@@ -80,8 +80,9 @@ def test_num_top_logprobs(logprobs, top):
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
     ("stop", [""]), ("stop", [1]), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-    ("max_tokens", 0), ("max_tokens", 3.0), ("min_tokens", -1),
-    ("seed", 1.5), ("logprobs", -1), ("ignore_eos", 1), ("skip_special_tokens", None),
+    ("max_tokens", -1), ("max_tokens", 3.0), ("min_tokens", -1),
+    ("seed", 1.5), ("logprobs", -1), ("prompt_logprobs", -1), ("prompt_logprobs", True), ("prompt_logprobs", 1.5),
+    ("ignore_eos", 1), ("skip_special_tokens", None),
     ("include_stop_str_in_output", "yes"),
 ])
 def test_validation_names_the_field_and_value(field, value):

@@ -15,6 +15,7 @@ from posttrain.data.validate import DataError
 from posttrain.errors import PosttrainError
 from posttrain.eval import evaluate_dpo, evaluate_reward_model, pairwise_result
 from posttrain.rewards import RewardModelScorer, save_score_head
+from posttrain.trainers.dpo import frozen_logps
 from posttrain.trainers.preference_data import load_pairs, tokenize_pair_for_policy
 from posttrain.trainers.reward_model import RewardModel, evaluate_rm, tokenize_pair_for_scoring
 from tests.data.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer
@@ -77,6 +78,19 @@ def test_dpo_implicit_reward_by_hand(tmp_path):
     assert result.accuracy == wins / 8 and result.wins == wins
     assert result.mean_margin == pytest.approx(sum(margins) / 8, abs=1e-3)
     assert result.beta == 0.5
+
+
+def test_dpo_margins_equal_the_trainers_sequence_logps(tmp_path):
+    """The engine's prompt logprobs against the DPO trainer's dense forward, on the same tokenized pairs."""
+    policy, reference, tokenizer = tiny_model(seed=0), tiny_model(seed=1), tiny_tokenizer()
+    data = write_jsonl(tmp_path / "pairs.jsonl", pair_rows())
+    result = evaluate_dpo(policy, reference, tokenizer, data, beta=0.5, batch_size=3)
+
+    pairs = load_pairs(DataConfig(path=str(data)), tokenizer, 0, tokenize_pair_for_policy).train
+    rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    rewards = 0.5 * (frozen_logps(policy, rows, 4, 0) - frozen_logps(reference, rows, 4, 0)).double()  # (2P,)
+    expected = rewards[: len(pairs)] - rewards[len(pairs):]
+    assert result.margins == pytest.approx(expected.tolist(), abs=1e-4)
 
 
 def test_policy_equal_to_reference_ties_everywhere_and_hh_rlhf_rows(tmp_path):

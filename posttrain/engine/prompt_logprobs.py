@@ -1,0 +1,115 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`): how likely the model finds each prompt token.
+
+The distribution is the model's RAW one: entry t is `log_softmax(z_{t-1})[prompt[t]]` over the full
+vocabulary, where `z_{t-1}` are the logits at position t - 1 (which predict token t), with no
+temperature, no penalties and no min_tokens mask. That is what perplexity, DPO's implicit reward and
+reward scoring recompute from a dense forward pass. Token 0 has no entry (nothing predicts it): the
+request output shows None there, as vLLM does.
+
+The prompt is prefilled in chunks; each chunk's positions that still lack a logprob are projected
+through the LM head and their logprobs appended, so the entries arrive in order, once each:
+- a sequence preempted mid-prefill recomputes its K/V from the start but adds only positions past
+  what it already has;
+- a cached prefix block skips its forward pass and so its logits: a request takes prefix-cache hits
+  only over positions whose logprobs it already holds (none, at first admission);
+- with n > 1 only the request's first sequence computes them, before it forks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Hidden rows per LM-head call: the (rows, V) fp32 logits and the logsumexp temporary are the largest
+# tensors made here, ~100 MB each at a 49k vocabulary, whatever the prompt length.
+LOGIT_CHUNK = 512
+
+
+@dataclass
+class PromptLogprobChunk:
+    """One step's new entries for one sequence: logprobs[i] and top[i] belong to the same prompt token."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None  # k (token, logprob) per entry, most likely first; None when k = 0
+
+
+class PromptLogprobs:
+    """The prompt logprobs of one request, filled chunk by chunk as its prompt is prefilled.
+
+    Position p's logits predict prompt token p + 1, so positions 0 .. P-2 each give one entry; the last
+    prompt position predicts the first generated token instead.
+    """
+
+    def __init__(self, num_prompt_tokens: int, num_top: int) -> None:
+        self.num_positions = num_prompt_tokens - 1
+        self.num_top = num_top
+        self.logprobs: list[float] = []  # entry i: prompt token i + 1
+        self.top: list[list[tuple[int, float]]] = []
+
+    @property
+    def num_known(self) -> int:
+        """Leading positions whose logprob is known (so their K/V may come from the prefix cache)."""
+        return len(self.logprobs)
+
+    @property
+    def done(self) -> bool:
+        return self.num_known == self.num_positions
+
+    def positions_to_compute(self, start: int, end: int) -> range:
+        """The positions of a chunk [start, end) whose logits give an entry not known yet."""
+        return range(max(start, self.num_known), min(end, self.num_positions))
+
+    def add(self, chunk: PromptLogprobChunk) -> None:
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.top is not None:
+            self.top.extend(chunk.top)
+
+    def entries(self) -> list[float | None]:
+        """One per prompt token: None for the first, then each token's logprob."""
+        return [None, *self.logprobs]
+
+    def top_entries(self) -> list[list[tuple[int, float]] | None] | None:
+        """One per prompt token (None for the first), or None when the request asked for no alternatives."""
+        return [None, *self.top] if self.num_top else None
+
+
+@torch.inference_mode()
+def token_logprobs_and_top(
+    model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, num_top: int, chunk: int = LOGIT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax(model.logits(hidden))[targets] and the num_top largest log-probabilities, made chunk
+    by chunk of rows so no more than (chunk, V) fp32 logits exist at once.
+    hidden (M, d), targets (M,) -> logprobs (M,) fp32, top values (M, k) fp32, top ids (M, k) int64."""
+    vocab_size = model.config.vocab_size
+    k = min(num_top, vocab_size)
+    logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (M,)
+    top_values = torch.empty(hidden.shape[0], k, dtype=torch.float32, device=hidden.device)  # (M, k)
+    top_ids = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)  # (M, k)
+    for start in range(0, hidden.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = model.logits(hidden[rows])  # (c, V) fp32
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (c, 1)
+        logprobs[rows] = (logits.gather(1, targets[rows, None]) - lse).squeeze(1)
+        if k:
+            values, ids = logits.topk(k, dim=-1)  # (c, k): the logit order is the log-softmax order
+            top_values[rows], top_ids[rows] = values - lse, ids
+    return logprobs, top_values, top_ids
+
+
+def split_by_sequence(logprobs: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
+                      counts: list[int], num_tops: list[int]) -> list[PromptLogprobChunk | None]:
+    """Cut the flat results of a step into one chunk per sequence of the batch (None where it has no
+    rows). counts[i] rows belong to sequence i, which keeps its own num_tops[i] alternatives."""
+    values = logprobs.tolist()
+    tops = list(zip(top_ids.tolist(), top_values.tolist())) if top_values.shape[1] else []
+    chunks: list[PromptLogprobChunk | None] = []
+    at = 0
+    for count, k in zip(counts, num_tops):
+        if not count:
+            chunks.append(None)
+            continue
+        top = [list(zip(ids[:k], vals[:k])) for ids, vals in tops[at:at + count]] if k else None
+        chunks.append(PromptLogprobChunk(values[at:at + count], top))
+        at += count
+    return chunks
