@@ -399,10 +399,6 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     run directory (config.yaml, data_report.json, metrics.jsonl, checkpoints/, final/)."""
     cfg.validate()
     unpaired = is_unpaired(cfg.data, cfg.loss)  # KTO's prompt/completion/label rows; other losses stop here
-    if unpaired and cfg.dist.strategy != "none":
-        # KTORun (fixed unpaired batches, their KL rows scored in advance) has no data-parallel path yet.
-        raise ValueError(f"loss=kto on an unpaired file cannot run with dist.strategy={cfg.dist.strategy}; "
-                         "use preference pairs or dist.strategy=none")
     seed_everything(cfg.train.seed)
     ctx, model_section = join_processes(cfg.dist, cfg.model)
     if model is None:

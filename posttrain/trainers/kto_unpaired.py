@@ -9,6 +9,10 @@ desirable_weight (1 - sigmoid(beta (r - z0))) or undesirable_weight (1 - sigmoid
 averaged over the batch: TRL's KTOTrainer with one device. With grad_accum each micro-batch is
 weighted by its rows, so the step's gradient is that of the mean over all its rows.
 
+Data-parallel (`distribute`): each rank takes every W-th row of each fixed batch, with those rows' KL rows
+and reference logps (both kept by row index, so any share finds its own); the loss is normalised by the
+rows of every rank, and z0 is taken over the KL logps gathered from all ranks: the batch's, as one process.
+
 Metrics (TRL's names): loss, kl (z0, row-weighted over micro-batches), rewards/chosen and
 rewards/rejected (mean beta log pi/pi_ref of the step's desirable / undesirable rows; left out when
 the step has none), rewards/margins, logps/chosen, logps/rejected, and the counts desirable and
@@ -18,14 +22,16 @@ undesirable. Held-out: the same over the fixed held-out batches, prefixed eval_.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from posttrain.algos.preference import kto_loss
 from posttrain.data.collate import collate
+from posttrain.data.tokenize import TokenizedRow
+from posttrain.dist.env import all_gather_rows, all_reduce_count, reduce_metrics
 from posttrain.models.transformer import Transformer
 from posttrain.peft import disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
@@ -35,7 +41,10 @@ from posttrain.trainers.loop import BatchStream, batch_stream
 from posttrain.trainers.unpaired_data import KTOSplit, UnpairedData, check_weights
 
 if TYPE_CHECKING:
+    from posttrain.dist.parallel import Parallel
     from posttrain.trainers.dpo import DPOConfig
+
+T = TypeVar("T")
 
 
 class UnpairedReference:
@@ -47,6 +56,7 @@ class UnpairedReference:
         self.base_of_policy = has_adapters(policy)
         self.model: Transformer | None = None
         self.table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (rows (n,), KL rows (n,))
+        self.parallel: Parallel | None = None  # set by KTORun.distribute
         if mode == "live":
             self.model = policy if self.base_of_policy else copy.deepcopy(policy).eval().requires_grad_(False)
             return
@@ -66,9 +76,16 @@ class UnpairedReference:
             return rows[index].to(device), kl[index].to(device)
         data = self.splits[split]
         with self._weights(self.model):
-            rows = frozen_logps(self.model, [data.rows[i].row for i in idx], len(idx), self.pad_id)
-            kl = frozen_logps(self.model, [data.kl[i] for i in idx], len(idx), self.pad_id)
+            rows = self._frozen([data.rows[i].row for i in idx])
+            kl = self._frozen([data.kl[i] for i in idx])
         return rows.to(device), kl.to(device)
+
+    def _frozen(self, rows: list[TokenizedRow]) -> torch.Tensor:
+        if self.parallel is not None and self.model is self.parallel.model:
+            # LoRA's base is the policy module: under FSDP2 its weights are whole only inside the wrapper's hooks.
+            with torch.no_grad():
+                return self.parallel.run(frozen_logps, rows, len(rows), self.pad_id)
+        return frozen_logps(self.model, rows, len(rows), self.pad_id)
 
 
 class KTORun:
@@ -76,11 +93,24 @@ class KTORun:
 
     def __init__(self, cfg: DPOConfig, model: Transformer, data: UnpairedData, pad_id: int) -> None:
         self.cfg, self.model, self.pad_id = cfg, model, pad_id
+        self.parallel: Parallel | None = None  # set by `distribute`, after the reference took the initial weights
         self.splits = {"train": data.train, **({"eval": data.eval} if data.eval else {})}
         self.reference = UnpairedReference(cfg.reference, model, self.splits, cfg.train.batch_size, pad_id)
         self.beta = cfg.effective_beta()
         options = cfg.loss_options()
         check_weights(data.train.rows, options.get("desirable_weight", 1.0), options.get("undesirable_weight", 1.0))
+
+    def distribute(self, parallel: Parallel) -> None:
+        """Run the policy's passes through `parallel` from now on; each rank takes its share of every batch."""
+        # Fixed batches are not all train.batch_size rows (the remainder, a lone last row joined to the one
+        # before): every one must deal out evenly, since the ranks' forwards go in lockstep.
+        for size in sorted({len(b) for b in self.splits["train"].batches}):
+            parallel.check_divides("rows of a fixed KTO batch (train.batch_size, or the last one's)", size)
+        self.parallel = self.reference.parallel = parallel
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(policy, *args)`, through the DDP / FSDP2 hooks when distributed."""
+        return fn(self.model, *args) if self.parallel is None else self.parallel.run(fn, *args)
 
     def batch_stream(self, seed: int) -> BatchStream[int]:
         """Endless, resumable stream of training micro-batches, each [one fixed batch id]."""
@@ -91,9 +121,14 @@ class KTORun:
         data = self.splits[split]
         batch = collate([data.rows[i].row for i in idx], self.pad_id).to(self.model.device)
         with torch.set_grad_enabled(grad):
-            policy, _ = sequence_logps(self.model, batch)  # (B,)
-        policy_kl = frozen_logps(self.model, [data.kl[i] for i in idx], len(idx), self.pad_id).to(policy.device)  # (B,)
+            policy, _ = self._run(sequence_logps, batch)  # (B,)
+        with torch.no_grad():  # around the call: `Parallel.run` then reshards FSDP2's root, as no backward will
+            policy_kl = self._run(frozen_logps, [data.kl[i] for i in idx], len(idx), self.pad_id).to(policy.device)
         ref, ref_kl = self.reference.logps(split, idx, policy.device)  # (B,), (B,)
+        if self.parallel is not None and split == "train":
+            # z0 is a mean over the batch's KL rows and this rank holds 1/W of them: gather every rank's share.
+            # (Evaluation runs every held-out row on every rank: nothing to gather there.)
+            policy_kl, ref_kl = all_gather_rows(policy_kl), all_gather_rows(ref_kl)
         desirable = torch.tensor([data.rows[i].desirable for i in idx], device=policy.device)  # (B,) bool
         loss, metrics = kto_loss(policy, ref, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl,
                                  **self.cfg.loss_options())
@@ -109,12 +144,17 @@ class KTORun:
     def step(self, micro_batches: list[list[int]]) -> dict[str, float]:
         """One optimizer step's gradients; each micro-batch is a list of fixed batch ids (one, from the stream)."""
         rows = [[i for b in micro for i in self.splits["train"].batches[b]] for micro in micro_batches]
+        if self.parallel is not None:
+            rows = [self.parallel.shard(idx) for idx in rows]
 
         def loss_sum(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
             loss, sums = self._forward("train", idx, grad=True)
             return loss * len(idx), sums
 
-        out = accumulate_gradients(rows, loss_sum, sum(map(len, rows)))
+        # Normalised by the rows of every rank, so W ranks x B/W rows give the gradient of 1 x B.
+        out = accumulate_gradients(rows, loss_sum, all_reduce_count(sum(map(len, rows)), self.model.device),
+                                   self.parallel)
+        out = reduce_metrics(out, set(out), self.model.device)  # all sums (and the ranks' parts of the loss)
         return {"loss": out["loss"], **_means(out), "tokens": out["tokens"]}
 
     @torch.no_grad()

@@ -3,7 +3,8 @@ of pairs.
 
 KTO's KL reference point z0 is a mean over the micro-batch's mismatched rows; each rank gathers the other
 ranks' KL logps so it clamps the same z0 as one process. z0 is 0 while the policy equals the reference, so
-the KTO run takes 2 steps: the second has a moved policy and a non-zero z0.
+the KTO run takes 2 steps: the second has a moved policy and a non-zero z0. KTO on an unpaired file (fixed
+batches of labelled rows) is held to the same: its z0 is gathered over each fixed batch's KL rows.
 
 With LoRA under FSDP2 the reference is the policy's own base (adapters off): precomputed before sharding, or
 live, through the FSDP2 wrapper (the base weights are whole only inside its hooks).
@@ -21,7 +22,8 @@ from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.peft.peft_format import ADAPTER_WEIGHTS
 from posttrain.trainers.dpo import DPOConfig, train_dpo
 from tests.distributed.launch import final_weights, max_difference, torchrun
-from tests.trainers.pref_helpers import config, setup_dir
+from tests.trainers.pref_helpers import config, setup_dir, write_jsonl
+from tests.trainers.test_kto_unpaired import unpaired_rows
 
 TOLERANCE = 1e-5
 # A global batch of 4 pairs x 2 accumulation steps; each rank takes 2 pairs of every micro-batch.
@@ -62,6 +64,29 @@ def kto_one(data, tmp_path_factory) -> Path:
     return _one_process(data, tmp_path_factory.mktemp("kto-one") / "run", KTO_STEPS)
 
 
+@pytest.fixture(scope="module")
+def unpaired(data, tmp_path_factory) -> tuple[Path, Path]:
+    """(model dir, 16 unpaired rows of both labels): 4 fixed batches of 4 rows, 2 of each on every rank."""
+    return data[0], write_jsonl(tmp_path_factory.mktemp("kto-unpaired") / "unpaired.jsonl", unpaired_rows())
+
+
+@pytest.fixture(scope="module")
+def unpaired_one(unpaired, tmp_path_factory) -> Path:
+    return _one_process(unpaired, tmp_path_factory.mktemp("unpaired-one") / "run", KTO_STEPS)
+
+
+def _same_kto_steps(two: Path, one: Path, count: str) -> None:
+    """2 KTO steps of `two` processes equal those of `one`, z0 in play; `count`: the step's pairs or rows."""
+    got, want = read_metrics(two), read_metrics(one)
+    assert len(got) == len(want) == 2
+    assert max(record["kl"] for record in want) > 1e-4  # z0 is in play, so a per-rank z0 would show
+    for g, w in zip(got, want):
+        assert g[count] == w[count] == 8 and g["tokens"] == w["tokens"]
+        for key in ("loss", "kl", "grad_norm", "rewards/chosen"):
+            assert abs(g[key] - w[key]) <= TOLERANCE * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
+    assert max_difference(final_weights(two), final_weights(one)) <= TOLERANCE
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_take_the_dpo_step_of_one(strategy, data, dpo_one, tmp_path):
     out = _two_processes(data, tmp_path / "run", strategy, DPO_STEP)
@@ -77,15 +102,12 @@ def test_two_processes_take_the_dpo_step_of_one(strategy, data, dpo_one, tmp_pat
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_take_the_kto_steps_of_one(strategy, data, kto_one, tmp_path):
-    out = _two_processes(data, tmp_path / "run", strategy, KTO_STEPS)
-    got, want = read_metrics(out), read_metrics(kto_one)
-    assert len(got) == len(want) == 2
-    assert max(record["kl"] for record in want) > 1e-4  # z0 is in play, so a per-rank z0 would show
-    for g, w in zip(got, want):
-        assert g["pairs"] == w["pairs"] == 8
-        for key in ("loss", "kl", "grad_norm", "rewards/chosen"):
-            assert abs(g[key] - w[key]) <= TOLERANCE * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
-    assert max_difference(final_weights(out), final_weights(kto_one)) <= TOLERANCE
+    _same_kto_steps(_two_processes(data, tmp_path / "run", strategy, KTO_STEPS), kto_one, "pairs")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_take_the_unpaired_kto_steps_of_one(strategy, unpaired, unpaired_one, tmp_path):
+    _same_kto_steps(_two_processes(unpaired, tmp_path / "run", strategy, KTO_STEPS), unpaired_one, "rows")
 
 
 @pytest.mark.parametrize("reference", ["precompute", "live"])
