@@ -18,9 +18,9 @@ class ModelSection:
     dtype: str | None = None  # float32 | bfloat16 | float16; default fp32 on CPU, bf16 on GPU
     device: str | None = None  # cpu | cuda | cuda:N; default cuda if available
     # CPU with glibc: `keep` leaves glibc's own policy, which holds freed blocks as heap holes (resident memory
-    # 10-25% above the live tensors); `release` hands freed tensor memory back to the OS while training, so
+    # 10-30% above the live tensors); `release` hands freed tensor memory back to the OS while training, so
     # resident memory follows the live tensors (what `posttrain estimate` counts) at a cost in page faults
-    # (posttrain.cpu_malloc, docs/estimate.md).
+    # (LoRA SFT steps 1.5x slower here; posttrain.cpu_malloc, docs/estimate.md).
     cpu_memory: Literal["keep", "release"] = "keep"
 
 
