@@ -184,12 +184,15 @@ class _Handlers:
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         served = self._model(req.model)
-        if req.echo:
-            raise APIError("echo is not supported", param="echo")
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
+        _check_echo(req)
         prompts, texts = self._encode_prompts(req.prompt)
-        params = render.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        # The engine scores the prompt only when the response shows it: echo with logprobs (k = req.logprobs,
+        # so a prompt position's top_logprobs are as many as a generated one's).
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = render.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
+                                        prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, prompts, params, "prompt")
         outputs = self.engine.generate(served.name, request_id, prompts, params, texts, stream=req.stream)
@@ -202,17 +205,28 @@ class _Handlers:
             return Response(status_code=499)
         choices, completion_tokens = [], 0
         for index in sorted(finals):
+            echoed = self._echo_text(prompts[index], texts[index]) if req.echo else ""
             for out in finals[index].outputs:
                 completion_tokens += len(out.token_ids)
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = render.completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
-                                                          out.top_logprobs if req.logprobs else None)
-                choices.append(CompletionChoice(index=index * req.n + out.index, text=out.text, logprobs=logprobs,
+                choices.append(CompletionChoice(index=index * req.n + out.index, text=echoed + out.text,
+                                                logprobs=self._choice_logprobs(req, finals[index], out, echoed),
                                                 finish_reason=render.finish_reason(out.finish_reason)))
         return JSONResponse(dump(CompletionResponse(
             id=request_id, created=int(time.time()), model=served.name, choices=choices,
             usage=render.usage(prompt_tokens, completion_tokens))))
+
+    def _choice_logprobs(self, req: CompletionRequest, request: Any, out: Any, echoed: str) -> Any:
+        if req.logprobs is None:
+            return None
+        if req.echo:
+            return render.echo_logprobs(self.token_text, request, echoed, out, top=bool(req.logprobs))
+        return render.completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
+                                          out.top_logprobs if req.logprobs else None)
+
+    def _echo_text(self, ids: list[int], text: str | None) -> str:
+        """The prompt as the client sent it; token ids are decoded as they are, special tokens included
+        (they are part of what was scored)."""
+        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _encode_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
         if isinstance(prompt, str):
@@ -336,6 +350,17 @@ class _Handlers:
         if include_usage:
             yield chunk([], render.usage(prompt_tokens, completion_tokens))
         yield render.SSE_DONE
+
+
+def _check_echo(req: CompletionRequest) -> None:
+    """The combinations echo allows. max_tokens=0 without echo would return nothing at all, so it is refused,
+    as vLLM does; echo in a stream is refused rather than half-done (the prompt's logprobs arrive only with
+    the whole prefill, and a stream's first chunk would have to carry them per choice)."""
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens must be at least 1 unless echo is true (max_tokens=0 with echo scores the "
+                       "prompt only)", param="max_tokens")
+    if req.echo and req.stream:
+        raise APIError("echo is not supported with stream=true; send the request without stream", param="echo")
 
 
 def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:

@@ -49,7 +49,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)  # 0: score the prompt only (with echo; see app.py)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -85,8 +85,9 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: Optional[list[dict[str, float]]] = None
+    # None at the first prompt token under echo: nothing predicts it (OpenAI returns null there too)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.engine.outputs import CompletionOutput
+from posttrain.engine.outputs import CompletionOutput, RequestOutput
 from posttrain.engine.sampling import SamplingParams
 from posttrain.engine.stop import safe_text_len
 from posttrain.serve.errors import APIError
@@ -23,8 +23,10 @@ from posttrain.serve.protocol import (
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int | None) -> SamplingParams:
-    """SamplingParams for a validated request; a combination the engine refuses becomes a 400 naming the field."""
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams for a validated request; a combination the engine refuses becomes a 400 naming the field.
+    `prompt_logprobs` (echo with logprobs) makes the engine score the prompt too; None leaves it off."""
     try:
         return SamplingParams(
             n=req.n,
@@ -41,6 +43,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int |
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
@@ -79,9 +82,10 @@ class TokenText:
         return text
 
 
-def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[float],
-                        top: list[list[tuple[int, float]]] | None, offset: int = 0) -> CompletionLogprobs:
-    """The legacy completions format: parallel lists, `text_offset` from `offset` (chars already streamed)."""
+def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[float | None],
+                        top: list[list[tuple[int, float]] | None] | None, offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions format: parallel lists, `text_offset` from `offset` (chars already streamed,
+    or the echoed prompt's length). A None entry (the first prompt token) stays None in both lists."""
     tokens = [token_text(t) for t in token_ids]
     offsets = []
     for token in tokens:
@@ -90,8 +94,28 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: l
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=logprobs,
-        top_logprobs=[{token_text(t): lp for t, lp in step} for step in top] if top is not None else None,
+        top_logprobs=[_top_dict(token_text, step) for step in top] if top is not None else None,
         text_offset=offsets,
+    )
+
+
+def _top_dict(token_text: TokenText, step: list[tuple[int, float]] | None) -> dict[str, float] | None:
+    return None if step is None else {token_text(t): lp for t, lp in step}
+
+
+def echo_logprobs(token_text: TokenText, request: RequestOutput, prompt_text: str, out: CompletionOutput,
+                  top: bool) -> CompletionLogprobs:
+    """Logprobs over the echoed text: the prompt's tokens (the engine's prompt_logprobs, raw log-softmax,
+    None first) and then the sample's, whose offsets start after the prompt text they follow."""
+    head = completion_logprobs(token_text, request.prompt_token_ids, request.prompt_logprobs or [],
+                               request.prompt_top_logprobs if top else None)
+    tail = completion_logprobs(token_text, out.token_ids, out.logprobs or [], out.top_logprobs if top else None,
+                               offset=len(prompt_text))
+    return CompletionLogprobs(
+        tokens=head.tokens + tail.tokens,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=(head.top_logprobs or []) + (tail.top_logprobs or []) if top else None,
+        text_offset=head.text_offset + tail.text_offset,
     )
 
 

@@ -61,7 +61,9 @@ def test_bad_completion_requests_are_400(client: openai.OpenAI) -> None:
         (dict(prompt=""), "prompt", None),
         (dict(prompt=[]), "prompt", None),
         (dict(prompt=[10**9]), "prompt", None),  # a token id outside the vocabulary
-        (dict(prompt="hi", max_tokens=0), "max_tokens", None),
+        (dict(prompt="hi", max_tokens=0), "max_tokens", None),  # allowed only with echo (scoring)
+        (dict(prompt="hi", echo=True, stream=True), "echo", None),
+        (dict(prompt="hi", echo=True, max_tokens=-1), "max_tokens", None),
     ]
     for fields, param, code in cases:
         with pytest.raises(openai.BadRequestError) as info:
