@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,22 +40,20 @@ GLIBC_MMAP_MAX = 65536  # glibc's default cap on the number of mmapped blocks
 NEVER_TRIM = 2**31 - 1  # the largest int: the heap top is returned only past 2 GiB free
 
 _policy: Policy = "default"
-_libc: ctypes.CDLL | None = None
-_libc_missing = False
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """libc with mallopt and malloc_trim, or None when this is not glibc."""
-    global _libc, _libc_missing
-    if _libc is None and not _libc_missing:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            _libc = libc
-        except (OSError, AttributeError):  # musl, macOS, Windows: nothing to tune
-            _libc_missing = True
-    return _libc
+    """libc with mallopt and malloc_trim, or None when this is not glibc (looked up once)."""
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):  # musl, macOS: nothing to tune
+        return None
+    return libc
 
 
 def current_malloc_policy() -> Policy:
@@ -68,7 +67,7 @@ def set_malloc_policy(policy: Policy) -> Policy:
     if policy not in POLICIES:
         raise ValueError(f"malloc policy {policy!r} is not one of {', '.join(POLICIES)}")
     previous = _policy
-    libc = _glibc() if os.name == "posix" else None
+    libc = _glibc()
     if libc is None or policy == previous or policy == "default":
         return previous
     if policy == "hold":

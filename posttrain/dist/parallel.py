@@ -251,3 +251,11 @@ class Parallel:
         if value % self.ctx.world_size:
             raise ConfigError(f"{key}={value} is the global batch; it must divide evenly over the "
                               f"{self.ctx.world_size} processes")
+
+
+def run_module(parallel: Parallel | None, module: nn.Module, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(module, *args)`: through `parallel`'s DDP / FSDP2 hooks when `module` is the model it wraps (under
+    FSDP2 its weights are whole only inside them), a plain call otherwise (one process, or a frozen copy)."""
+    if parallel is not None and module is parallel.model:
+        return parallel.run(fn, *args)
+    return fn(module, *args)

@@ -51,7 +51,7 @@ from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import all_gather_rows, all_reduce_count, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel
+from posttrain.dist.parallel import Parallel, run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig, disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
@@ -199,10 +199,8 @@ class Reference:
 
     def _run(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         """`fn(reference model, *args)`; through the policy's wrapper when the reference is the policy itself
-        (LoRA's base): under FSDP2 its weights exist whole only inside the wrapper's hooks."""
-        if self.parallel is not None and self.model is self.parallel.model:
-            return self.parallel.run(fn, *args)
-        return fn(self.model, *args)
+        (LoRA's base)."""
+        return run_module(self.parallel, self.model, fn, *args)
 
     def logps(self, split: str, idx: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         device = batch.input_ids.device
@@ -304,9 +302,7 @@ class DPORun:
             self.reference.parallel = parallel
 
     def _policy_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.parallel is None:
-            return sequence_logps(self.model, batch)
-        return self.parallel.run(sequence_logps, batch)
+        return run_module(self.parallel, self.model, sequence_logps, batch)
 
     def _forward(self, split: str, idx: Sequence[int], grad: bool) -> tuple[
             torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, tuple | None]:

@@ -32,6 +32,7 @@ from posttrain.algos.preference import kto_loss
 from posttrain.data.collate import collate
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.dist.env import all_gather_rows, all_reduce_count, reduce_metrics
+from posttrain.dist.parallel import run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
@@ -81,11 +82,10 @@ class UnpairedReference:
         return rows.to(device), kl.to(device)
 
     def _frozen(self, rows: list[TokenizedRow]) -> torch.Tensor:
-        if self.parallel is not None and self.model is self.parallel.model:
-            # LoRA's base is the policy module: under FSDP2 its weights are whole only inside the wrapper's hooks.
-            with torch.no_grad():
-                return self.parallel.run(frozen_logps, rows, len(rows), self.pad_id)
-        return frozen_logps(self.model, rows, len(rows), self.pad_id)
+        # LoRA's base is the policy module: through its wrapper. no_grad around the call: `Parallel.run` then
+        # reshards FSDP2's root, as no backward will.
+        with torch.no_grad():
+            return run_module(self.parallel, self.model, frozen_logps, rows, len(rows), self.pad_id)
 
 
 class KTORun:
@@ -110,7 +110,7 @@ class KTORun:
 
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(policy, *args)`, through the DDP / FSDP2 hooks when distributed."""
-        return fn(self.model, *args) if self.parallel is None else self.parallel.run(fn, *args)
+        return run_module(self.parallel, self.model, fn, *args)
 
     def batch_stream(self, seed: int) -> BatchStream[int]:
         """Endless, resumable stream of training micro-batches, each [one fixed batch id]."""

@@ -35,7 +35,7 @@ from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError, RowError
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import all_reduce_count, barrier, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel
+from posttrain.dist.parallel import Parallel, run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import encode_for_scoring, save_score_head
@@ -117,10 +117,7 @@ def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int,
     DDP / FSDP2 hooks when given: under FSDP2 trunk and head are whole only inside them)."""
     batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id).to(rm.trunk.device)
     lengths = batch.attention_mask.sum(1)  # (2B,)
-    if parallel is None:
-        scores = rm(batch.input_ids, lengths)  # (2B,)
-    else:
-        scores = parallel.run(lambda _trunk, ids, n: rm(ids, n), batch.input_ids, lengths)
+    scores = run_module(parallel, rm.trunk, lambda _trunk, ids, n: rm(ids, n), batch.input_ids, lengths)  # (2B,)
     return scores[: len(pairs)], scores[len(pairs):]
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from posttrain.dist.env import is_main
-from posttrain.dist.parallel import Parallel
+from posttrain.dist.parallel import Parallel, run_module
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
@@ -181,9 +181,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
 def policy_forward(run: RLRun, module: nn.Module, pack: PackedGroups, **kwargs: Any) -> Any:
     """packed_forward of `module`; the policy goes through its DDP / FSDP2 wrapper, a frozen copy does not."""
     temperature = run.cfg.rollout.temperature
-    if module is run.model and run.parallel is not None:
-        return run.parallel.run(lambda m, p: packed_forward(m, p, temperature, **kwargs), pack)
-    return packed_forward(module, pack, temperature, **kwargs)
+    return run_module(run.parallel, module, lambda m, p: packed_forward(m, p, temperature, **kwargs), pack)
 
 
 class _Counters:
