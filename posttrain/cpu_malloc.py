@@ -18,6 +18,8 @@ generates keeps the engine's policy, as before.
 
 Only glibc has these knobs: elsewhere (macOS, musl) every call here does nothing and the policy stays
 `default`.
+
+`advise_huge_pages` asks Linux to back a long-lived buffer (the engine's KV pool) with 2 MiB pages.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -38,6 +41,8 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 RELEASE_THRESHOLD = 128 * 1024  # glibc's own initial mmap and trim thresholds, here kept fixed
 GLIBC_MMAP_MAX = 65536  # glibc's default cap on the number of mmapped blocks
 NEVER_TRIM = 2**31 - 1  # the largest int: the heap top is returned only past 2 GiB free
+MADV_HUGEPAGE = 14  # madvise advice (Linux)
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages)
 
 _policy: Policy = "default"
 
@@ -91,3 +96,27 @@ def malloc_policy(policy: Policy) -> Iterator[None]:
         yield
     finally:
         set_malloc_policy(previous)
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux to back [address, address + nbytes) with transparent huge pages where the range covers
+    whole 2 MiB pages, before it is first touched. Returns whether the advice was taken.
+
+    For the engine's KV pool: decode reads and writes a few KiB in each of thousands of scattered blocks per
+    layer, and with 4 KiB pages nearly every one is a TLB miss (dearer still under a hypervisor). Measured on
+    the 2-core development VM, 512 sequences: the decode attention of one layer 6.9 -> 4.9 ms. The price is
+    paid once, when the pool is first touched: the kernel may compact memory to find free huge pages.
+    Does nothing (False) off Linux, or where transparent huge pages are off.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0

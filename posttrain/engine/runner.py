@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.cpu_malloc import current_malloc_policy, malloc_policy, set_malloc_policy
+from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
 from posttrain.engine.sampling import SampleOutput, SamplingRow, SamplingWorkspace, sample
@@ -101,12 +101,17 @@ class ModelRunner:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         # Zeros, not empty: unused slots are masked, but 0 * NaN garbage would still poison the sums.
         with torch.inference_mode():
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                              for _ in range(cfg.num_hidden_layers)]
+            self.kv_caches = [self._zeroed_cache(shape) for _ in range(cfg.num_hidden_layers)]
         if self.config.cuda_graphs:
             max_blocks = -(-self.model_max_len // self.block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_blocks,
                                        scratch_block=self.num_blocks, block_size=self.block_size)
+
+    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if cache.device.type == "cpu":  # 2 MiB pages before the first touch (posttrain.cpu_malloc)
+            advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+        return cache.zero_()
 
     def free_kv_cache(self) -> None:
         self.kv_caches = None

@@ -44,7 +44,7 @@ KNOWN_MODELS: dict[str, PackagedGGUF] = {
 
 
 def cache_root() -> Path:
-    """Where converted models live: $POSTTRAIN_CACHE, else ~/.cache/posttrain."""
+    """Where converted models and built CPU kernels live: $POSTTRAIN_CACHE, else ~/.cache/posttrain."""
     return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
 
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from posttrain.models import cpu_kernels
 from posttrain.models.attention import PagedAttentionMetadata
 from posttrain.models.config import ModelConfig
 from posttrain.models.paged_attention import paged_attention, reference_paged_attention
@@ -35,8 +36,18 @@ def _layout(rng: random.Random, num_blocks: int) -> tuple[list[list[int]], list[
     return tables, ctx, qlens
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each CPU fast path: the C kernels (when they build here) and the PyTorch one."""
+    if request.param == "native" and cpu_kernels.library() is None:
+        pytest.skip("no C compiler with OpenMP here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_fast_path_matches_reference(seed: int) -> None:
+def test_fast_path_matches_reference(seed: int, fast_path: str) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 120
@@ -67,7 +78,7 @@ def _tiny_model() -> Transformer:
     return Transformer(cfg).eval()
 
 
-def test_paged_model_path_matches_dense() -> None:
+def test_paged_model_path_matches_dense(fast_path: str) -> None:
     """Prefill two prompts in chunks, then decode samples that share the prompt blocks: the hidden states
     of every new token equal the dense causal forward over the same tokens."""
     model = _tiny_model()
@@ -104,10 +115,11 @@ def test_paged_model_path_matches_dense() -> None:
                 torch.testing.assert_close(hidden[s], dense, atol=1e-5, rtol=1e-5)
 
 
-def test_staged_decode_matches_reference_across_steps() -> None:
-    """Decode steps that carry the gathered suffixes over (decode_staging): appends, block boundaries,
-    a sequence leaving, suffixes outgrowing the staged room. Every step equals the reference, in two
-    layers, and most steps only append."""
+def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of the PyTorch path that carry the gathered suffixes over (decode_staging): appends,
+    block boundaries, a sequence leaving, suffixes outgrowing the staged room. Every step equals the
+    reference, in two layers, and most steps only append."""
+    monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
     from posttrain.models.decode_staging import release_staging
     from posttrain.models.paged_attention import _plan_for
 

@@ -1,0 +1,134 @@
+"""The paged path's native CPU kernels (paged_decode.c): built with the system's C compiler on first use.
+
+`library()` compiles the source once per source, compiler and CPU into the cache directory
+($POSTTRAIN_CACHE/kernels, else ~/.cache/posttrain/kernels), loads it with ctypes and returns it; None when
+that cannot be done (no compiler, no OpenMP, an unwritable cache, a failed build: logged once, with the
+compiler's message), or when POSTTRAIN_CPU_KERNELS=0. The callers then take the pure-PyTorch path, which
+computes the same attention more slowly.
+
+The build uses OpenMP and `-march=native`. The shared object needs libgomp.so.1, the soname PyTorch's
+own OpenMP runtime has on Linux, so the kernels run on the threads of torch's intra-op pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("posttrain.models")
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+LANES = 8  # head_dim must be a multiple of the kernel's vector width
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (see the module docstring)."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (KernelBuildError, OSError) as e:
+        logger.warning("posttrain: native CPU kernels unavailable, the engine's decode attention runs in "
+                       "PyTorch (slower): %s", e)
+        return None
+    lib.paged_decode_attention.restype = None
+    lib.paged_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                                           _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
+    lib.paged_write_kv.restype = None
+    lib.paged_write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    return lib
+
+
+def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the kernels take this layer: fp32 on CPU, K/V heads in the (2, blocks, bs, Hkv, D) pool."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype == torch.float32
+            and cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[-1] % LANES == 0
+            and cache.is_contiguous() and library() is not None)
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache (2, num_blocks, bs, Hkv, D) gets k, v (N, Hkv, D) at the flat slots (N,); slots < 0 skipped."""
+    k, v, slots = k.contiguous(), v.contiguous(), slots.to(torch.int64).contiguous()
+    num_slots = cache.shape[1] * cache.shape[2]
+    library().paged_write_kv(cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(),
+                             num_slots, cache.shape[3] * cache.shape[4])
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, tables: torch.Tensor,
+                     context_lens: torch.Tensor, rows: torch.Tensor, group_starts: torch.Tensor,
+                     group_shared: torch.Tensor, max_members: int) -> None:
+    """Fill out[rows] with the attention of q[rows] over each sequence's context (paged_decode.c).
+
+    q, out (N, H, D) contiguous fp32; tables (S, W), context_lens (S,), rows (S,) int64 for the S
+    decoding sequences, in groups: [group_starts[g], group_starts[g + 1]) share their first
+    group_shared[g] blocks; max_members the largest group."""
+    _, num_blocks, bs, hkv, d = cache.shape
+    H = q.shape[1]
+    library().paged_decode_attention(
+        q.data_ptr(), cache.data_ptr(), out.data_ptr(), num_blocks, bs, hkv, H // hkv, d, tables.data_ptr(),
+        tables.shape[1], context_lens.data_ptr(), rows.data_ptr(), group_starts.data_ptr(), group_shared.data_ptr(),
+        group_shared.numel(), max_members, d**-0.5, torch.get_num_threads())
+
+
+def _build() -> Path:
+    """Compile SOURCE into the cache (once per source, compiler, flags and CPU) and return the library's path."""
+    from posttrain.models.hub import cache_root  # here: hub imports the model, whose paged path imports this
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_identity()]))
+    target = cache_root() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes that build at once (torchrun ranks) never load a
+    # half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed on {SOURCE}:\n{done.stderr.strip()}")
+        os.replace(partial, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building {SOURCE} with {compiler}: {e}") from e
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the machine and, on Linux, the CPU's model and feature flags."""
+    parts = [platform.machine()]
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                parts.append(line)
+            if line.strip() == "":  # the first processor is enough
+                break
+    except OSError:
+        pass
+    return "\n".join(parts).encode()

@@ -1,0 +1,224 @@
+/* The paged path's decode step on CPU, in C: attention of one new token per sequence over its KV blocks,
+ * read where they lie in the pool, and the write of the new tokens' K/V into their slots.
+ *
+ * Why C: at 512 decoding sequences the attention is bound by reading the K/V (tens of MB per layer per
+ * step) and PyTorch has no op that reads a block table. The pure-PyTorch path gathers the blocks into a
+ * contiguous tensor first (a copy as large as the read) and merges the shared-prefix and own-suffix parts
+ * in separate ops. Here every K/V byte is read once, from the pool, into a streaming online softmax.
+ *
+ * Layouts (fp32, contiguous; posttrain/models/cpu_kernels/__init__.py checks them before calling):
+ *   q, out   (N, H, D)                      queries of the step's new tokens, and the attention outputs
+ *   cache    (2, num_blocks, bs, Hkv, D)    K at [0], V at [1]; query head h reads K/V head h / (H / Hkv)
+ *   tables   (S, width) int64               block table of each decoding sequence
+ *   ctx      (S,) int64                     tokens each sequence attends (its newest one included)
+ *   rows     (S,) int64                     row of q / out of each sequence
+ *   group_starts (G + 1,), group_shared (G,) int64
+ *       Sequences come in groups of consecutive indices [group_starts[g], group_starts[g + 1]) whose
+ *       first group_shared[g] blocks are the same blocks (the n samples of one prompt). Those blocks are
+ *       read once for the whole group, with the members' query heads as rows (cascade attention); each
+ *       member then continues its own softmax over its remaining tokens. A lone sequence is a group of
+ *       one that shares nothing.
+ *
+ * Every row keeps a running max, a running sum of exp(score - max) and an output accumulator; each block
+ * of tokens rescales them once, so the result is the exact softmax (up to float rounding).
+ */
+
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float vec __attribute__((vector_size(32))); /* 8 floats: one AVX register where there is one */
+#define LANES 8 /* head_dim must be a multiple of it (checked by the caller) */
+
+static inline vec load(const float* p) {
+    vec v;
+    memcpy(&v, p, sizeof(v)); /* an unaligned load */
+    return v;
+}
+
+static inline void store(float* p, vec v) { memcpy(p, &v, sizeof(v)); }
+
+static inline vec splat(float x) {
+    vec v = {0};
+    return v + x;
+}
+
+static inline float lane_sum(vec v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+}
+
+/* exp(x) for x <= 0, to about 2 ulp: exp(x) = 2^n * exp(f) with n = round(x / ln 2), |f| <= ln(2) / 2,
+ * exp(f) from its degree-7 Taylor-like minimax polynomial (Cephes' coefficients). Written without
+ * branches or calls so that the loops over tokens vectorize. Below -87, 2^n would leave the normal
+ * range: the result is clamped there (exp(-87) = 1.6e-38, nothing against a sum that is >= 1). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest via 1.5 * 2^23 */
+    float f = x - n * 0.693359375f + n * 2.12194440e-4f;              /* x - n ln 2, ln 2 split in two */
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    float y = p * f * f + f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23; /* 2^n as a float's exponent field */
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return y * scale;
+}
+
+/* out[t] = q . k_t for the n keys at k + t * stride: four keys at a time, four independent FMA chains. */
+static void scores_of_row(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t d = 0; d < D; d += LANES) {
+            vec qd = load(q + d);
+            a0 += qd * load(k0 + d);
+            a1 += qd * load(k1 + d);
+            a2 += qd * load(k2 + d);
+            a3 += qd * load(k3 + d);
+        }
+        out[t] = lane_sum(a0);
+        out[t + 1] = lane_sum(a1);
+        out[t + 2] = lane_sum(a2);
+        out[t + 3] = lane_sum(a3);
+    }
+    for (; t < n; t++) {
+        vec a = {0};
+        for (int64_t d = 0; d < D; d += LANES) a += load(q + d) * load(k + t * stride + d);
+        out[t] = lane_sum(a);
+    }
+}
+
+/* acc (D,) += sum_t p[t] * v_t over the n values at v + t * stride; 64 dims at a time stay in registers. */
+static void accumulate_row(float* acc, const float* p, const float* v, int64_t n, int64_t stride, int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 8 * LANES <= D; d0 += 8 * LANES) {
+        vec a[8];
+        for (int i = 0; i < 8; i++) a[i] = load(acc + d0 + i * LANES);
+        for (int64_t t = 0; t < n; t++) {
+            const float* vt = v + t * stride + d0;
+            vec pt = splat(p[t]);
+            for (int i = 0; i < 8; i++) a[i] += pt * load(vt + i * LANES);
+        }
+        for (int i = 0; i < 8; i++) store(acc + d0 + i * LANES, a[i]);
+    }
+    for (; d0 < D; d0 += LANES) {
+        vec a = load(acc + d0);
+        for (int64_t t = 0; t < n; t++) a += splat(p[t]) * load(v + t * stride + d0);
+        store(acc + d0, a);
+    }
+}
+
+typedef struct {
+    const float* keys;   /* cache[0] */
+    const float* values; /* cache[1] */
+    int64_t bs, stride, D, H, heads_per_kv; /* stride: floats from one token's K/V to the next's (Hkv * D) */
+} Pool;
+
+/* Rows r = 0..R-1 (query head r % H, pre-scaled q at qs + r * D) attend the tokens [first, last) of the
+ * block table `table`, continuing their running max mx, sum sm and accumulator acc (R, D). */
+static void attend(const Pool* pool, const int64_t* table, int64_t first, int64_t last, const float* qs, int64_t R,
+                   float* acc, float* mx, float* sm, float* p) {
+    const int64_t bs = pool->bs, stride = pool->stride, D = pool->D;
+    for (int64_t pos = first; pos < last;) {
+        const int64_t offset = pos % bs;
+        int64_t n = bs - offset;
+        if (n > last - pos) n = last - pos;
+        const int64_t start = (table[pos / bs] * bs + offset) * stride;
+        if (pos + n < last) { /* the next block lies elsewhere in the pool: ask for it ahead of time */
+            const char* next_k = (const char*)(pool->keys + table[(pos + n) / bs] * bs * stride);
+            const char* next_v = (const char*)(pool->values + table[(pos + n) / bs] * bs * stride);
+            for (int64_t b = 0; b < (int64_t)(bs * stride * sizeof(float)); b += 64) {
+                __builtin_prefetch(next_k + b);
+                __builtin_prefetch(next_v + b);
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t head = (r % pool->H) / pool->heads_per_kv;
+            scores_of_row(qs + r * D, pool->keys + start + head * D, n, stride, D, p);
+            float m = mx[r];
+            for (int64_t t = 0; t < n; t++) m = p[t] > m ? p[t] : m;
+            const float rescale = exp_nonpositive(mx[r] - m);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                p[t] = exp_nonpositive(p[t] - m);
+                sum += p[t];
+            }
+            sm[r] = sm[r] * rescale + sum;
+            mx[r] = m;
+            float* acc_r = acc + r * D;
+            if (rescale != 1.0f)
+                for (int64_t d = 0; d < D; d++) acc_r[d] *= rescale;
+            accumulate_row(acc_r, p, pool->values + start + head * D, n, stride, D);
+        }
+        pos += n;
+    }
+}
+
+void paged_decode_attention(const float* q, const float* cache, float* out, int64_t num_blocks, int64_t bs,
+                            int64_t num_kv_heads, int64_t heads_per_kv, int64_t D, const int64_t* tables,
+                            int64_t width, const int64_t* ctx, const int64_t* rows, const int64_t* group_starts,
+                            const int64_t* group_shared, int64_t num_groups, int64_t max_members, float scale,
+                            int num_threads) {
+    const int64_t H = num_kv_heads * heads_per_kv;
+    const Pool pool = {cache, cache + num_blocks * bs * num_kv_heads * D, bs, num_kv_heads * D, D, H, heads_per_kv};
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t max_rows = max_members * H;
+        float* qs = malloc(sizeof(float) * max_rows * D);  /* the group's queries, times scale */
+        float* acc = malloc(sizeof(float) * max_rows * D); /* unnormalised outputs */
+        float* mx = malloc(sizeof(float) * max_rows);
+        float* sm = malloc(sizeof(float) * max_rows);
+        float* p = malloc(sizeof(float) * bs); /* one row's scores, then weights, over one block */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < num_groups; g++) {
+            const int64_t first = group_starts[g], members = group_starts[g + 1] - first;
+            for (int64_t m = 0; m < members; m++) {
+                const float* src = q + rows[first + m] * H * D;
+                for (int64_t j = 0; j < H * D; j++) qs[m * H * D + j] = src[j] * scale;
+            }
+            memset(acc, 0, sizeof(float) * members * H * D);
+            for (int64_t r = 0; r < members * H; r++) {
+                mx[r] = -FLT_MAX;
+                sm[r] = 0.0f;
+            }
+            const int64_t shared = group_shared[g] * bs; /* tokens */
+            if (shared > 0) attend(&pool, tables + first * width, 0, shared, qs, members * H, acc, mx, sm, p);
+            for (int64_t m = 0; m < members; m++) {
+                const int64_t s = first + m, r0 = m * H;
+                attend(&pool, tables + s * width, shared, ctx[s], qs + r0 * D, H, acc + r0 * D, mx + r0, sm + r0, p);
+                float* dst = out + rows[s] * H * D;
+                for (int64_t h = 0; h < H; h++) {
+                    const float inv = 1.0f / sm[r0 + h];
+                    for (int64_t d = 0; d < D; d++) dst[h * D + d] = acc[(r0 + h) * D + d] * inv;
+                }
+            }
+        }
+        free(qs);
+        free(acc);
+        free(mx);
+        free(sm);
+        free(p);
+    }
+}
+
+/* cache[0][slot] = k[i], cache[1][slot] = v[i] for slot = slots[i] >= 0; k, v (n, row) with
+ * row = Hkv * D floats, the pool (2, num_slots, row). */
+void paged_write_kv(float* cache, const float* k, const float* v, const int64_t* slots, int64_t n,
+                    int64_t num_slots, int64_t row) {
+    float* keys = cache;
+    float* values = cache + num_slots * row;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        memcpy(keys + slots[i] * row, k + i * row, sizeof(float) * row);
+        memcpy(values + slots[i] * row, v + i * row, sizeof(float) * row);
+    }
+}

@@ -1,0 +1,166 @@
+"""The native CPU decode kernels (posttrain/models/cpu_kernels) against the PyTorch reference, and their build."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from posttrain.models import cpu_kernels
+from posttrain.models.attention import PagedAttentionMetadata
+from posttrain.models.paged_attention import paged_attention, reference_paged_attention, write_kv
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here")
+
+
+def _decode_step(rng: random.Random, bs: int, hkv: int, heads_per_kv: int, D: int, groups: list[tuple[int, int]],
+                 num_blocks: int = 400, scale: float = 1.0):
+    """A pure decode step: groups of (members, shared prompt tokens) in batch order; each member has
+    1-40 tokens of its own after the shared prompt. Blocks are scattered over the pool."""
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, ctx = [], []
+    for members, prompt in groups:
+        shared = [free.pop() for _ in range(prompt // bs)]
+        for _ in range(members):
+            length = prompt + rng.randint(1, 40)
+            own = [free.pop() for _ in range(-(-length // bs) - len(shared))]
+            tables.append(shared + own)
+            ctx.append(length)
+    width = max(len(t) for t in tables)
+    S, H = len(tables), hkv * heads_per_kv
+    slots = torch.tensor([t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, ctx)])
+    cache = torch.randn(2, num_blocks, bs, hkv, D) * scale
+    meta = PagedAttentionMetadata([cache], slots, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                                  torch.tensor(ctx), torch.ones(S, dtype=torch.long), 1)
+    q, k, v = torch.randn(S, H, D) * scale, torch.randn(S, hkv, D) * scale, torch.randn(S, hkv, D)
+    return q, k, v, meta
+
+
+def _with_cache(meta: PagedAttentionMetadata, cache: torch.Tensor) -> PagedAttentionMetadata:
+    return PagedAttentionMetadata([cache], meta.slot_mapping, meta.block_tables, meta.context_lens, meta.query_lens,
+                                  meta.max_query_len)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "bs, hkv, heads_per_kv, D",
+    [(16, 3, 3, 64), (16, 2, 1, 128), (8, 1, 4, 72), (4, 2, 3, 8)],  # SmolLM2's shapes; MHA; MQA + a 64+8 head
+)
+def test_decode_kernel_matches_reference(bs: int, hkv: int, heads_per_kv: int, D: int) -> None:
+    rng = random.Random(bs + D)
+    torch.manual_seed(D)
+    # Siblings of one prompt (cascade), a lone sequence, a group whose prompt is under one block
+    # (nothing to share), and siblings sharing 3 blocks.
+    groups = [(5, 2 * bs + 3), (1, bs), (3, bs - 1), (8, 3 * bs)]
+    q, k, v, meta = _decode_step(rng, bs, hkv, heads_per_kv, D, groups)
+    reference_cache = meta.kv_caches[0].clone()
+    out = paged_attention(q, k, v, meta, 0)
+    expected = reference_paged_attention(q, k, v, _with_cache(meta, reference_cache), 0)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(meta.kv_caches[0], reference_cache)  # the K/V writes, byte for byte
+
+
+@needs_kernels
+def test_decode_kernel_is_exact_on_peaked_and_flat_scores() -> None:
+    """Large scores (a running max that jumps across blocks, weights that underflow to 0) and tiny ones
+    (a flat softmax): the online softmax stays exact."""
+    for scale in (12.0, 1e-3):
+        q, k, v, meta = _decode_step(random.Random(1), 16, 3, 3, 64, [(4, 40), (1, 0)], scale=scale)
+        reference_cache = meta.kv_caches[0].clone()
+        out = paged_attention(q, k, v, meta, 0)
+        expected = reference_paged_attention(q, k, v, _with_cache(meta, reference_cache), 0)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows between prefill rows: the native and the PyTorch fast paths give the same outputs and
+    the same cache."""
+    from tests.engine.test_paged_attention import _layout
+
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    tables, ctx, qlens = _layout(rng, 120)
+    width = max(len(t) for t in tables)
+    slots = [t[p // 4] * 4 + p % 4 for t, c, n in zip(tables, ctx, qlens) for p in range(c - n, c)]
+    N = sum(qlens)
+    q, k, v = torch.randn(N, 6, 8), torch.randn(N, 2, 8), torch.randn(N, 2, 8)
+    cache = torch.randn(2, 120, 4, 2, 8)
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
+        meta = PagedAttentionMetadata([cache.clone()], torch.tensor(slots),
+                                      torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                                      torch.tensor(ctx), torch.tensor(qlens), max(qlens))
+        results.append((paged_attention(q, k, v, meta, 0), meta.kv_caches[0]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=2e-6, rtol=1e-5)
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@needs_kernels
+def test_native_write_kv_skips_negative_slots() -> None:
+    cache = torch.randn(2, 10, 4, 2, 8)
+    expected = cache.clone()
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([3, -1, 17, 39, -1])
+    cpu_kernels.write_kv(cache, k, v, slots)
+    write_kv(expected, k, v, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_supports_only_fp32_cpu_pools_with_whole_vectors() -> None:
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    q = torch.zeros(3, 4, 8)
+    available = cpu_kernels.library() is not None
+    assert cpu_kernels.supports(q, cache) is available
+    assert not cpu_kernels.supports(q.double(), cache.double())
+    assert not cpu_kernels.supports(q, torch.zeros(2, 4, 4, 2, 12))  # head_dim not a multiple of 8
+    assert not cpu_kernels.supports(q, torch.zeros(1, 4, 4, 1, 8))  # a latent-attention pool
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """library() rebuilt from scratch into an empty cache, and forgotten again after the test."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    yield tmp_path
+    cpu_kernels.library.cache_clear()
+
+
+def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, fresh_library) -> None:
+    monkeypatch.setenv("POSTTRAIN_CPU_KERNELS", "0")
+    assert cpu_kernels.library() is None
+    assert not cpu_kernels.supports(torch.zeros(3, 4, 8), torch.zeros(2, 4, 4, 2, 8))
+    assert not (fresh_library / "kernels").exists()  # nothing was built
+
+
+def test_failed_build_falls_back_with_the_compilers_message(monkeypatch: pytest.MonkeyPatch, fresh_library,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    script = fresh_library / "broken-cc"
+    script.write_text("#!/bin/sh\necho 'cc: error: no such flag -march=native' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    with caplog.at_level(logging.WARNING, logger="posttrain.models"):
+        assert cpu_kernels.library() is None
+    assert "no such flag -march=native" in caplog.text and "paged_decode.c" in caplog.text
+    assert not any(p.suffix == ".so" for p in (fresh_library / "kernels").iterdir())  # nothing half-written kept
+    # The attention still runs, in PyTorch.
+    q, k, v, meta = _decode_step(random.Random(0), 4, 2, 3, 8, [(3, 9), (1, 0)])
+    reference_cache = meta.kv_caches[0].clone()
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0),
+                               reference_paged_attention(q, k, v, _with_cache(meta, reference_cache), 0))
+
+
+@needs_kernels
+def test_build_is_cached_per_source(fresh_library) -> None:
+    assert cpu_kernels.library() is not None
+    built = sorted((fresh_library / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("paged_decode-") and built[0].suffix == ".so"
+    cpu_kernels.library.cache_clear()
+    mtime = built[0].stat().st_mtime_ns
+    assert cpu_kernels.library() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
