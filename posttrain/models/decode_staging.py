@@ -1,10 +1,12 @@
 """Contiguous copies of the decoding sequences' suffix K/V, carried from one engine step to the next.
 
-The CPU decode kernel attends each sequence's suffix blocks (those after the prefix its group shares)
-as one (Sd, Hkv, L, D) tensor. Gathering the blocks into such a tensor every layer of every step reads
-and writes all the suffix K/V once more than the attention itself does: at 512 sequences and 128
-generated tokens that gather cost as much as the attention (7.7 vs 6.0 ms a layer; index_select was
-17% of a whole rollout's CPU time, matmuls 54%).
+For the PyTorch version of the CPU decode attention, which runs where the native kernel of
+posttrain/models/cpu_kernels (it reads the pool directly) is not built or not taken. That version attends
+each sequence's suffix blocks (those after the prefix its group shares) as one (Sd, Hkv, L, D) tensor.
+Gathering the blocks into such a tensor every layer of every step reads and writes all the suffix K/V
+once more than the attention itself does: at 512 sequences and 128 generated tokens that gather cost as
+much as the attention (7.7 vs 6.0 ms a layer; index_select was 17% of a whole rollout's CPU time, matmuls
+54%).
 
 Between two decode steps of the same sequences only one token per sequence is new. So each layer keeps
 its gathered suffixes in a buffer with room to grow (`SLACK_BLOCKS`), and a step that extends the
