@@ -98,8 +98,9 @@ def main() -> None:
     finally:
         cpu_kernels.supports = supports
     transformers_layout = best_of(dense, args.reps)
-    kv_bytes = (args.prompts * len(tables[0][: args.prompt_tokens // BS]) * BS + sum(ctx)
-                - S * (args.prompt_tokens // BS) * BS) * HKV * D * 4 * 2  # shared blocks once, own tokens each
+    shared_tokens = args.prompt_tokens // BS * BS
+    kv_tokens = args.prompts * shared_tokens + sum(ctx) - S * shared_tokens  # shared blocks once, own tokens each
+    kv_bytes = kv_tokens * HKV * D * 4 * 2
     print(json.dumps({
         "benchmark": "paged_attention",
         "shape": {"sequences": S, "groups": args.prompts, "prompt_tokens": args.prompt_tokens,

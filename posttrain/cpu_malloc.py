@@ -48,15 +48,25 @@ _policy: Policy = "default"
 
 
 @functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """libc with mallopt and malloc_trim, or None when this is not glibc (looked up once)."""
+def _libc() -> ctypes.CDLL | None:
+    """The process's C library, or None where there is none to load (looked up once: find_library may
+    run ldconfig)."""
     if os.name != "posix":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """libc with mallopt and malloc_trim, or None when this is not glibc (looked up once)."""
+    libc = _libc()
+    try:
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    except (OSError, AttributeError):  # musl, macOS: nothing to tune
+    except AttributeError:  # no libc, musl, macOS: nothing to tune
         return None
     return libc
 
@@ -108,15 +118,12 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     paid once, when the pool is first touched: the kernel may compact memory to find free huge pages.
     Does nothing (False) off Linux, or where transparent huge pages are off.
     """
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None or not sys.platform.startswith("linux"):
         return False
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if end <= start:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
         return False
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
