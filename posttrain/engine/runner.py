@@ -20,6 +20,7 @@ from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
 from posttrain.errors import PosttrainError
 from posttrain.models.attention import PagedAttentionMetadata
+from posttrain.models.cpu_kernels.fused import fused_scope
 
 
 NO_POSITIONS = range(0)
@@ -199,7 +200,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):
             hidden = self.graphs.run(inputs)  # (N, d)
         else:
-            hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions, attn_meta=inputs.meta)  # (N, d)
+            with fused_scope():  # fused elementwise ops on CPU (posttrain.models.cpu_kernels.fused)
+                hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions,
+                                                  attn_meta=inputs.meta)  # (N, d)
         if inputs.sample_index.numel() == 0:
             logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         else:

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.cpu_kernels import fused
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back (as transformers does)."""
@@ -19,6 +21,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.active(x):  # the engine's CPU forward: one pass (cpu_kernels/fused.py)
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -35,7 +39,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused.silu_mul(gate, up) if fused.active(gate) else F.silu(gate) * up)
 
 
 # ---- rotary embedding -------------------------------------------------------------------------------
@@ -146,6 +151,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (..., T, H, D) with cos/sin (..., T, D): the rotate-half convention of HF Llama."""
+    if fused.active(x):  # the engine's CPU forward: one pass (cpu_kernels/fused.py)
+        return fused.rotary(x, cos, sin)
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # (..., T, 1, D)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -15,6 +15,7 @@ from posttrain.models.attention import (
     positions_from_segments,
 )
 from posttrain.models.config import ModelConfig
+from posttrain.models.cpu_kernels import fused
 from posttrain.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from posttrain.models.mla import LatentAttention
 from posttrain.models.moe import FFN_NAMES, MoEBlock
@@ -41,8 +42,14 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        norm = self.post_attention_layernorm
+        if fused.active(x):  # the engine's CPU forward: the residual add and the norm in one pass
+            x, normed = fused.add_rms_norm(x, attended, norm.weight, norm.eps)
+        else:
+            x = x + attended
+            normed = norm(x)
+        return x + getattr(self, self.ffn_name)(normed)
 
 
 class Transformer(nn.Module):

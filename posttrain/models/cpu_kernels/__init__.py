@@ -1,6 +1,8 @@
-"""The paged path's native CPU kernels (paged_decode.c): built with the system's C compiler on first use.
+"""The engine's native CPU kernels, built with the system's C compiler on first use: the paged decode
+attention and K/V writes (paged_decode.c), the decoder layer's fused elementwise ops (decoder_ops.c,
+used through `fused`), and the plain draw of the sampler (sampler.c).
 
-`library()` compiles the source once per source, compiler and CPU into the cache directory
+`library()` compiles the sources once per source, compiler and CPU into the cache directory
 ($POSTTRAIN_CACHE/kernels, else ~/.cache/posttrain/kernels), loads it with ctypes and returns it; None when
 that cannot be done (no compiler, no OpenMP, an unwritable cache, a failed build: logged once, with the
 compiler's message), or when POSTTRAIN_CPU_KERNELS=0. The callers then take the pure-PyTorch path, which
@@ -27,12 +29,24 @@ import torch
 
 logger = logging.getLogger("posttrain.models")
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c"]
+HEADERS = [HERE / "vec_math.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 LANES = 8  # head_dim must be a multiple of the kernel's vector width
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+SIGNATURES = {  # the argument types of each function the library exports; all return void
+    "paged_decode_attention": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
+                               _i64, _i64, _f32, _int],
+    "paged_write_kv": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "rotary": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "silu_mul": [_ptr, _ptr, _ptr, _i64, _int],
+    "sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int],
+}
 
 
 class KernelBuildError(RuntimeError):
@@ -47,14 +61,12 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build()))
     except (KernelBuildError, OSError) as e:
-        logger.warning("posttrain: native CPU kernels unavailable, the engine's decode attention runs in "
-                       "PyTorch (slower): %s", e)
+        logger.warning("posttrain: native CPU kernels unavailable, the engine's decode attention, elementwise ops "
+                       "and sampling run in PyTorch (slower): %s", e)
         return None
-    lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
-                                           _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.paged_write_kv.restype = None
-    lib.paged_write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
     return lib
 
 
@@ -70,7 +82,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     k, v, slots = k.contiguous(), v.contiguous(), slots.to(torch.int64).contiguous()
     num_slots = cache.shape[1] * cache.shape[2]
     library().paged_write_kv(cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(),
-                             num_slots, cache.shape[3] * cache.shape[4])
+                             num_slots, cache.shape[3] * cache.shape[4], torch.get_num_threads())
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, tables: torch.Tensor,
@@ -89,16 +101,34 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, ta
         group_shared.numel(), max_members, d**-0.5, torch.get_num_threads())
 
 
+def samples_on_cpu(logits: torch.Tensor) -> bool:
+    """Whether `sample_rows` takes these (rows, vocab) logits: fp32 on CPU, with the kernels built."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and (
+        library() is not None)
+
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfiltered draw from softmax(logits) per row, one uniform each, and the drawn tokens' logprobs
+    (sampler.c). logits (R, V) fp32, uniforms (R,) in [0, 1) -> token ids (R,) int64, logprobs (R,) fp32."""
+    logits, uniforms = logits.contiguous(), uniforms.to(torch.float64).contiguous()
+    rows, vocab_size = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    library().sample_rows(logits.data_ptr(), rows, vocab_size, block, uniforms.data_ptr(), tokens.data_ptr(),
+                          logprobs.data_ptr(), torch.get_num_threads())
+    return tokens, logprobs
+
+
 def _build() -> Path:
-    """Compile SOURCE into the cache (once per source, compiler, flags and CPU) and return the library's path."""
+    """Compile SOURCES into the cache (once per source, compiler, flags and CPU) and return the library's path."""
     from posttrain.models.hub import cache_root  # here: hub imports the model, whose paged path imports this
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_identity()]))
-    target = cache_root() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    sources = [path.read_bytes() for path in SOURCES + HEADERS]
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(), _cpu_identity()]))
+    target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,13 +137,14 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed on {SOURCE}:\n{done.stderr.strip()}")
+            names = ", ".join(path.name for path in SOURCES)
+            raise KernelBuildError(f"{compiler} failed on {names} (in {HERE}):\n{done.stderr.strip()}")
         os.replace(partial, target)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"building {SOURCE} with {compiler}: {e}") from e
+        raise KernelBuildError(f"building the kernels in {HERE} with {compiler}: {e}") from e
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

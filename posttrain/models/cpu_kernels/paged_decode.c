@@ -28,48 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float vec __attribute__((vector_size(32))); /* 8 floats: one AVX register where there is one */
-#define LANES 8 /* head_dim must be a multiple of it (checked by the caller) */
-
-static inline vec load(const float* p) {
-    vec v;
-    memcpy(&v, p, sizeof(v)); /* an unaligned load */
-    return v;
-}
-
-static inline void store(float* p, vec v) { memcpy(p, &v, sizeof(v)); }
-
-static inline vec splat(float x) {
-    vec v = {0};
-    return v + x;
-}
-
-static inline float lane_sum(vec v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
-}
-
-/* exp(x) for x <= 0, to about 2 ulp: exp(x) = 2^n * exp(f) with n = round(x / ln 2), |f| <= ln(2) / 2,
- * exp(f) from its degree-7 Taylor-like minimax polynomial (Cephes' coefficients). Written without
- * branches or calls so that the loops over tokens vectorize. Below -87, 2^n would leave the normal
- * range: the result is clamped there (exp(-87) = 1.6e-38, nothing against a sum that is >= 1). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest via 1.5 * 2^23 */
-    float f = x - n * 0.693359375f + n * 2.12194440e-4f;              /* x - n ln 2, ln 2 split in two */
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    float y = p * f * f + f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23; /* 2^n as a float's exponent field */
-    float scale;
-    memcpy(&scale, &bits, sizeof(scale));
-    return y * scale;
-}
+#include "vec_math.h"
 
 /* out[t] = q . k_t for the n keys at k + t * stride: four keys at a time, four independent FMA chains. */
 static void scores_of_row(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
@@ -132,24 +91,31 @@ static void attend(const Pool* pool, const int64_t* table, int64_t first, int64_
         int64_t n = bs - offset;
         if (n > last - pos) n = last - pos;
         const int64_t start = (table[pos / bs] * bs + offset) * stride;
-        if (pos + n < last) { /* the next block lies elsewhere in the pool: ask for it ahead of time */
-            const char* next_k = (const char*)(pool->keys + table[(pos + n) / bs] * bs * stride);
-            const char* next_v = (const char*)(pool->values + table[(pos + n) / bs] * bs * stride);
-            for (int64_t b = 0; b < (int64_t)(bs * stride * sizeof(float)); b += 64) {
-                __builtin_prefetch(next_k + b);
-                __builtin_prefetch(next_v + b);
-            }
+        /* The next block lies elsewhere in the pool: ask for it ahead of time, a slice of its cache lines
+         * before each row below. (All at once, the requests would outnumber the core's line-fill buffers
+         * and stall it until most had arrived: 10% slower in a rollout-like benchmark.) */
+        const char *next_k = NULL, *next_v = NULL;
+        if (pos + n < last) {
+            next_k = (const char*)(pool->keys + table[(pos + n) / bs] * bs * stride);
+            next_v = (const char*)(pool->values + table[(pos + n) / bs] * bs * stride);
         }
+        const int64_t lines = bs * stride * (int64_t)sizeof(float) / 64; /* per block, of K and of V */
         for (int64_t r = 0; r < R; r++) {
+            if (next_k != NULL)
+                for (int64_t line = r * lines / R; line < (r + 1) * lines / R; line++) {
+                    __builtin_prefetch(next_k + line * 64);
+                    __builtin_prefetch(next_v + line * 64);
+                }
             const int64_t head = (r % pool->H) / pool->heads_per_kv;
             scores_of_row(qs + r * D, pool->keys + start + head * D, n, stride, D, p);
             float m = mx[r];
+#pragma omp simd reduction(max : m)
             for (int64_t t = 0; t < n; t++) m = p[t] > m ? p[t] : m;
-            const float rescale = exp_nonpositive(mx[r] - m);
+            const float rescale = clamped_exp(mx[r] - m);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < n; t++) {
-                p[t] = exp_nonpositive(p[t] - m);
+                p[t] = clamped_exp(p[t] - m);
                 sum += p[t];
             }
             sm[r] = sm[r] * rescale + sum;
@@ -211,14 +177,23 @@ void paged_decode_attention(const float* q, const float* cache, float* out, int6
 }
 
 /* cache[0][slot] = k[i], cache[1][slot] = v[i] for slot = slots[i] >= 0; k, v (n, row) with
- * row = Hkv * D floats, the pool (2, num_slots, row). */
+ * row = Hkv * D floats, the pool (2, num_slots, row). The slots lie scattered over the pool, so each row
+ * waits on its lines: a few rows ahead are prefetched for writing, and the rows are split over threads
+ * (512 rows of SmolLM2, 30 pools in turn: 0.10 ms a layer against 0.28 for one thread without). */
 void paged_write_kv(float* cache, const float* k, const float* v, const int64_t* slots, int64_t n,
-                    int64_t num_slots, int64_t row) {
+                    int64_t num_slots, int64_t row, int threads) {
     float* keys = cache;
     float* values = cache + num_slots * row;
+    const int64_t ahead = 8, bytes = row * (int64_t)sizeof(float);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
+        if (i + ahead < n && slots[i + ahead] >= 0)
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch((char*)(keys + slots[i + ahead] * row) + b, 1);
+                __builtin_prefetch((char*)(values + slots[i + ahead] * row) + b, 1);
+            }
         if (slots[i] < 0) continue;
-        memcpy(keys + slots[i] * row, k + i * row, sizeof(float) * row);
-        memcpy(values + slots[i] * row, v + i * row, sizeof(float) * row);
+        memcpy(keys + slots[i] * row, k + i * row, bytes);
+        memcpy(values + slots[i] * row, v + i * row, bytes);
     }
 }
