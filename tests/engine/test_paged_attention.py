@@ -121,7 +121,7 @@ def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.Monkey
     reference, in two layers, and most steps only append."""
     monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
     from posttrain.models.decode_staging import release_staging
-    from posttrain.models.paged_attention import _plan_for
+    from posttrain.models.paged_plan import plan_for
 
     torch.manual_seed(0)
     release_staging()
@@ -154,7 +154,7 @@ def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.Monkey
             expected = reference_paged_attention(
                 q, k, v, PagedAttentionMetadata(ref, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1), layer)
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        plan = _plan_for(meta, BS).decode
+        plan = plan_for(meta, BS).decode
         assert plan.staging is not None
         extended += plan.staging.extends is not None
         if step in (0, 15):
