@@ -95,7 +95,7 @@ def _build_plan(meta: PagedAttentionMetadata, block_size: int, native: bool) -> 
     return Plan(_decode_plan(decode, starts, context_lens, tables, block_size, meta.kv_caches), prefill_plan)
 
 
-def cascade_groups(table: torch.Tensor, ctx: list[int], block_size: int) -> list[tuple[list[int], int]]:
+def _cascade_groups(table: torch.Tensor, ctx: list[int], block_size: int) -> list[tuple[list[int], int]]:
     """Groups of consecutive decode sequences (indices into table's rows) that share leading blocks, with
     the number of blocks they attend together; lone sequences, and groups that could share no block,
     are left out. table (Sd, W) block tables, ctx (Sd,) context lengths."""
@@ -131,7 +131,7 @@ def _native_decode_plan(
 ) -> NativeDecodePlan:
     ctx = [context_lens[s] for s in seqs]
     table = tables[seqs] if len(seqs) != tables.shape[0] else tables  # (Sd, W)
-    shared_by_first = {members[0]: (len(members), n) for members, n in cascade_groups(table, ctx, block_size)}
+    shared_by_first = {members[0]: (len(members), n) for members, n in _cascade_groups(table, ctx, block_size)}
     group_starts, group_shared, j = [], [], 0
     while j < len(seqs):  # every sequence in one group: a cascade group, else a group of one
         members, n_shared = shared_by_first.get(j, (1, 0))
@@ -156,7 +156,7 @@ def _decode_plan(
 ) -> DecodePlan:
     ctx = [context_lens[s] for s in seqs]
     table = tables[seqs] if len(seqs) != tables.shape[0] else tables  # (Sd, W)
-    cascade = cascade_groups(table, ctx, block_size)
+    cascade = _cascade_groups(table, ctx, block_size)
     shared = [0] * len(seqs)  # prefix blocks each decode sequence attends as part of its group
     for members, n_shared in cascade:
         for j in members:

@@ -40,16 +40,13 @@ def active(x: torch.Tensor) -> bool:
             and x.dtype == torch.float32 and library() is not None)
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dim; x (..., d), weight (d,)."""
     x, weight = x.contiguous(), weight.detach().float().contiguous()
     out = torch.empty_like(x)
     d = x.shape[-1]
-    library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, _threads())
+    library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps,
+                       torch.get_num_threads())
     return out
 
 
@@ -60,7 +57,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     total, out = torch.empty_like(x), torch.empty_like(x)
     d = x.shape[-1]
     library().add_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), total.data_ptr(), out.data_ptr(),
-                           x.numel() // d, d, eps, _threads())
+                           x.numel() // d, d, eps, torch.get_num_threads())
     return total, out
 
 
@@ -72,7 +69,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if cos.numel() != tokens * d or sin.numel() != tokens * d:
         raise ValueError(f"rotary: cos/sin {tuple(cos.shape)} do not match x {tuple(x.shape)}")
     out = torch.empty_like(x)
-    library().rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, d, _threads())
+    library().rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, d,
+                     torch.get_num_threads())
     return out
 
 
@@ -80,5 +78,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise over tensors of one shape."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), _threads())
+    library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
     return out
