@@ -34,6 +34,9 @@ class EngineConfig:
     # glibc's `hold` policy (posttrain.cpu_malloc) while generate() runs; a process that set no policy of
     # its own keeps it from the engine's start. Set False to leave malloc alone.
     tune_cpu_allocator: bool = True
+    # On CPU in fp32: MKL-packed copies of the linear weights while generating (posttrain/engine/packed_weights.py);
+    # faster matmuls for one more copy of the weights in memory. Set False to keep that memory.
+    pack_cpu_weights: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,7 +61,7 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise EngineConfigError(f"watermark={self.watermark!r}: must be in [0, 1)")
-        for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator", "pack_cpu_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: must be true or false")
 

@@ -14,6 +14,7 @@ import torch
 
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.config import EngineConfig
+from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.outputs import CompletionOutput, RequestOutput
 from posttrain.engine.prompt_logprobs import PromptLogprobs
 from posttrain.engine.runner import ModelRunner
@@ -44,7 +45,8 @@ class _Request:
 
 
 class LLMEngine:
-    """A continuous-batching engine over a live model module (it never copies the weights)."""
+    """A continuous-batching engine over a live model module: it computes with the module's own weights (on CPU
+    through packed copies that follow every change, posttrain/engine/packed_weights.py)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         self.model = model
@@ -73,7 +75,7 @@ class LLMEngine:
             return cfg.num_kv_blocks
         element = torch.empty(0, dtype=next(self.model.parameters()).dtype).element_size()
         block_bytes = self.model.config.kv_bytes_per_token(element) * cfg.block_size
-        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * _free_device_memory(self.model))
+        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * free_device_memory(next(self.model.parameters()).device))
         num_blocks = budget // block_bytes
         needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never useful
         num_blocks = min(num_blocks, needed)
@@ -215,8 +217,9 @@ class LLMEngine:
                 outputs.append(self._request_output(request))
             elif request.stream:
                 outputs.append(self._request_output(request))
-        if not self.requests:  # idle: the decode kernel's staged K/V copies are not needed until the next wave
+        if not self.requests:  # idle: staged K/V copies and packed weights are not needed until the next wave
             release_staging()
+            self.runner.release_packed_weights()
         return outputs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -354,6 +357,7 @@ class LLMEngine:
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
         self.runner.drop_graphs()  # captured graphs hold parameter addresses, which an update may change
+        self.runner.release_packed_weights()
         self.policy_version += 1
         return self.policy_version
 
@@ -365,6 +369,7 @@ class LLMEngine:
             return
         self.block_manager.reset_prefix_cache()
         self.runner.free_kv_cache()
+        self.runner.release_packed_weights()
         release_staging()
         self.asleep = True
 
@@ -392,18 +397,3 @@ class LLMEngine:
             "kv_blocks": self.num_blocks,
             "free_kv_blocks": bm.num_free_blocks,
         }
-
-
-def _free_device_memory(model: torch.nn.Module) -> int:
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30  # no /proc: assume 4 GiB

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
+from posttrain.engine import packed_weights
 from posttrain.engine.config import EngineConfig
+from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
 from posttrain.engine.sampling import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
@@ -73,10 +75,19 @@ class ModelRunner:
                 raise PosttrainError("cuda_graphs=True does not support mixture-of-experts models (routing syncs on "
                                      "the number of tokens per expert)")
         self.allocate_kv_cache()
+        # MKL-packed weights for the CPU fp32 forward (posttrain/engine/packed_weights.py); None: plain F.linear.
+        self.packed_weights = packed_weights.PackedWeights() if self._packs_weights() else None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def _packs_weights(self) -> bool:
+        """CPU fp32 with MKL, and the packed copy takes at most half the memory left after the KV pool."""
+        if not (self.config.pack_cpu_weights and self.device.type == "cpu" and self.dtype == torch.float32):
+            return False
+        copy_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.dim() == 2)
+        return packed_weights.available() and 2 * copy_bytes <= free_device_memory(self.device)
 
     @property
     def tunes_malloc(self) -> bool:
@@ -197,17 +208,24 @@ class ModelRunner:
         reaches its last token (in batch order), the rows to sample from; and the step's prompt logprobs."""
         self.copy_blocks(batch.blocks_to_copy)
         inputs = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            hidden = self.graphs.run(inputs)  # (N, d)
-        else:
-            with fused_scope():  # fused elementwise ops on CPU (posttrain.models.cpu_kernels.fused)
-                hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions,
-                                                  attn_meta=inputs.meta)  # (N, d)
-        if inputs.sample_index.numel() == 0:
-            logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        else:
-            logits = self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
+        packing = self.packed_weights.scope() if self.packed_weights is not None else nullcontext()
+        with packing:
+            if self.graphs is not None and self.graphs.can_run(inputs.meta):
+                hidden = self.graphs.run(inputs)  # (N, d)
+            else:
+                with fused_scope():  # fused elementwise ops on CPU (posttrain.models.cpu_kernels.fused)
+                    hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions,
+                                                      attn_meta=inputs.meta)  # (N, d)
+            if inputs.sample_index.numel() == 0:
+                logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+            else:
+                logits = self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
         return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
+
+    def release_packed_weights(self) -> None:
+        """Drop the packed weight copies (rebuilt on demand): when the engine goes idle or the weights change."""
+        if self.packed_weights is not None:
+            self.packed_weights.clear()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows | None, num_seqs: int
                          ) -> list[PromptLogprobChunk | None]:

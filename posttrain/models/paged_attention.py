@@ -11,8 +11,8 @@ Two implementations with one contract (`PagedAttentionMetadata`):
   its own remaining blocks, and the two parts combine exactly (online softmax / log-sum-exps).
   * With the native kernels (posttrain/models/cpu_kernels, C compiled on first use) every K/V byte is
     read once, straight from the pool, and the K/V writes are row copies. benchmarks/paged_attention.py
-    (512 sequences in 64 groups, SmolLM2-135M shapes, 80 shared prompt tokens, 72 own): 4.3 ms a layer,
-    against 19.1 ms for the PyTorch version below on a step that gathers, and 12.2 ms for SDPA over a
+    (512 sequences in 64 groups, SmolLM2-135M shapes, 80 shared prompt tokens, 72 own): 2.8 ms a layer,
+    against 14.65 ms for the PyTorch version below on a step that gathers, and 8.31 ms for SDPA over a
     dense padded cache (transformers' layout).
   * Without them, in PyTorch: each part gathers its blocks into reused buffers (a fresh 50-100 MB tensor
     per layer costs more in page faults than the copy itself; decode_staging carries the suffixes over

@@ -66,13 +66,18 @@ def test_decode_kernel_matches_reference(bs: int, hkv: int, heads_per_kv: int, D
 @needs_kernels
 def test_decode_kernel_is_exact_on_peaked_and_flat_scores() -> None:
     """Large scores (a running max that jumps across blocks, weights that underflow to 0) and tiny ones
-    (a flat softmax): the online softmax stays exact."""
-    for scale in (12.0, 1e-3):
-        q, k, v, meta = _decode_step(random.Random(1), 16, 3, 3, 64, [(4, 40), (1, 0)], scale=scale)
+    (a flat softmax): the online softmax stays exact, measured against an fp64 softmax. With scores in the
+    hundreds, fp32 rounding of the scores alone moves outputs by up to ~5e-4 (PyTorch's fp32 path as much as
+    the kernel, each in its own order of summation), so that case gets that tolerance; a wrong rescale or an
+    overflow would be off by the size of the values (~1)."""
+    for seed, scale, atol in [(1, 12.0, 2e-3), (2, 12.0, 2e-3), (1, 1e-3, 1e-6)]:
+        torch.manual_seed(seed)
+        q, k, v, meta = _decode_step(random.Random(seed), 16, 3, 3, 64, [(4, 40), (1, 0)], scale=scale)
         reference_cache = meta.kv_caches[0].clone()
         out = paged_attention(q, k, v, meta, 0)
-        expected = reference_paged_attention(q, k, v, _with_cache(meta, reference_cache), 0)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        fp64 = reference_paged_attention(q.double(), k.double(), v.double(),
+                                         _with_cache(meta, reference_cache.double()), 0)
+        torch.testing.assert_close(out.double(), fp64, atol=atol, rtol=0)
 
 
 @needs_kernels

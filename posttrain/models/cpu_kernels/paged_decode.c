@@ -30,23 +30,18 @@
 
 #include "vec_math.h"
 
-/* out[t] = q . k_t for the n keys at k + t * stride: four keys at a time, four independent FMA chains. */
+/* out[t] = q . k_t for the n keys at k + t * stride: LANES keys at a time (independent FMA chains), their
+ * dot products summed across lanes together. */
 static void scores_of_row(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (; t + LANES <= n; t += LANES) {
+        const float* kt = k + t * stride;
+        vec a[LANES] = {{0}};
         for (int64_t d = 0; d < D; d += LANES) {
             vec qd = load(q + d);
-            a0 += qd * load(k0 + d);
-            a1 += qd * load(k1 + d);
-            a2 += qd * load(k2 + d);
-            a3 += qd * load(k3 + d);
+            for (int i = 0; i < LANES; i++) a[i] += qd * load(kt + i * stride + d);
         }
-        out[t] = lane_sum(a0);
-        out[t + 1] = lane_sum(a1);
-        out[t + 2] = lane_sum(a2);
-        out[t + 3] = lane_sum(a3);
+        store(out + t, lane_sums(a));
     }
     for (; t < n; t++) {
         vec a = {0};
