@@ -75,7 +75,8 @@ class LLMEngine:
             return cfg.num_kv_blocks
         element = torch.empty(0, dtype=next(self.model.parameters()).dtype).element_size()
         block_bytes = self.model.config.kv_bytes_per_token(element) * cfg.block_size
-        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * free_device_memory(next(self.model.parameters()).device))
+        device = next(self.model.parameters()).device
+        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * free_device_memory(device))
         num_blocks = budget // block_bytes
         needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never useful
         num_blocks = min(num_blocks, needed)
