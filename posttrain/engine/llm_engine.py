@@ -348,7 +348,8 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              finished=request.finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs.entries() if prompt_logprobs else None,
-                             prompt_top_logprobs=prompt_logprobs.top_entries() if prompt_logprobs else None)
+                             prompt_top_logprobs=prompt_logprobs.top_entries() if prompt_logprobs else None,
+                             prompt_logprob_ranks=prompt_logprobs.rank_entries() if prompt_logprobs else None)
 
     # ---- weights and memory ---------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ class PromptLogprobChunk:
     """One step's new entries for one sequence: logprobs[i] and top[i] belong to the same prompt token."""
 
     logprobs: list[float]
+    ranks: list[int]  # of each prompt token among the vocabulary by logit, 1 = the most likely
     top: list[list[tuple[int, float]]] | None  # k (token, logprob) per entry, most likely first; None when k = 0
 
 
@@ -45,6 +46,7 @@ class PromptLogprobs:
         self.num_positions = num_prompt_tokens - 1
         self.num_top = num_top
         self.logprobs: list[float] = []  # entry i: prompt token i + 1
+        self.ranks: list[int] = []
         self.top: list[list[tuple[int, float]]] = []
 
     @property
@@ -62,12 +64,17 @@ class PromptLogprobs:
 
     def add(self, chunk: PromptLogprobChunk) -> None:
         self.logprobs.extend(chunk.logprobs)
+        self.ranks.extend(chunk.ranks)
         if chunk.top is not None:
             self.top.extend(chunk.top)
 
     def entries(self) -> list[float | None]:
         """One per prompt token: None for the first, then each token's logprob."""
         return [None, *self.logprobs]
+
+    def rank_entries(self) -> list[int | None]:
+        """One per prompt token: None for the first, then each token's rank (1 = the most likely)."""
+        return [None, *self.ranks]
 
     def top_entries(self) -> list[list[tuple[int, float]] | None] | None:
         """One per prompt token (None for the first), or None when the request asked for no alternatives."""
@@ -77,31 +84,35 @@ class PromptLogprobs:
 @torch.inference_mode()
 def token_logprobs_and_top(
     model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, num_top: int, chunk: int = LOGIT_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log_softmax(model.logits(hidden))[targets] and the num_top largest log-probabilities, made chunk
-    by chunk of rows so no more than (chunk, V) fp32 logits exist at once.
-    hidden (M, d), targets (M,) -> logprobs (M,) fp32, top values (M, k) fp32, top ids (M, k) int64."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax(model.logits(hidden))[targets], the targets' ranks (1 + the number of tokens with a larger
+    logit) and the num_top largest log-probabilities, made chunk by chunk of rows so no more than (chunk, V)
+    fp32 logits exist at once.
+    hidden (M, d), targets (M,) -> logprobs (M,) fp32, ranks (M,) int64, top values (M, k) fp32, top ids (M, k)."""
     vocab_size = model.config.vocab_size
     k = min(num_top, vocab_size)
     logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (M,)
+    ranks = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # (M,)
     top_values = torch.empty(hidden.shape[0], k, dtype=torch.float32, device=hidden.device)  # (M, k)
     top_ids = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)  # (M, k)
     for start in range(0, hidden.shape[0], chunk):
         rows = slice(start, start + chunk)
         logits = model.logits(hidden[rows])  # (c, V) fp32
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (c, 1)
-        logprobs[rows] = (logits.gather(1, targets[rows, None]) - lse).squeeze(1)
+        target_logits = logits.gather(1, targets[rows, None])  # (c, 1)
+        logprobs[rows] = (target_logits - lse).squeeze(1)
+        ranks[rows] = (logits > target_logits).sum(dim=-1) + 1
         if k:
             values, ids = logits.topk(k, dim=-1)  # (c, k): the logit order is the log-softmax order
             top_values[rows], top_ids[rows] = values - lse, ids
-    return logprobs, top_values, top_ids
+    return logprobs, ranks, top_values, top_ids
 
 
-def split_by_sequence(logprobs: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
+def split_by_sequence(logprobs: torch.Tensor, ranks: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
                       counts: list[int], num_tops: list[int]) -> list[PromptLogprobChunk | None]:
     """Cut the flat results of a step into one chunk per sequence of the batch (None where it has no
     rows). counts[i] rows belong to sequence i, which keeps its own num_tops[i] alternatives."""
-    values = logprobs.tolist()
+    values, rank_values = logprobs.tolist(), ranks.tolist()
     tops = list(zip(top_ids.tolist(), top_values.tolist())) if top_values.shape[1] else []
     chunks: list[PromptLogprobChunk | None] = []
     at = 0
@@ -110,6 +121,6 @@ def split_by_sequence(logprobs: torch.Tensor, top_values: torch.Tensor, top_ids:
             chunks.append(None)
             continue
         top = [list(zip(ids[:k], vals[:k])) for ids, vals in tops[at:at + count]] if k else None
-        chunks.append(PromptLogprobChunk(values[at:at + count], top))
+        chunks.append(PromptLogprobChunk(values[at:at + count], rank_values[at:at + count], top))
         at += count
     return chunks

@@ -232,9 +232,9 @@ class ModelRunner:
         """Project only the rows that give prompt logprobs, in bounded chunks. hidden (N, d)."""
         if rows is None:
             return [None] * num_seqs
-        logprobs, top_values, top_ids = token_logprobs_and_top(
-            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops))  # (M,), (M, k), (M, k)
-        return split_by_sequence(logprobs, top_values, top_ids, rows.counts, rows.num_tops)
+        logprobs, ranks, top_values, top_ids = token_logprobs_and_top(
+            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops))  # (M,), (M,), (M, k) x 2
+        return split_by_sequence(logprobs, ranks, top_values, top_ids, rows.counts, rows.num_tops)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, groups: list[list[Sequence]], eos_token_ids: set[int]) -> SampleOutput:

@@ -187,12 +187,14 @@ class _Handlers:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         _check_echo(req)
+        _check_prompt_logprobs(req)
         prompts, texts = self._encode_prompts(req.prompt)
         # The engine scores the prompt only when the response shows it: echo with logprobs (k = req.logprobs,
-        # so a prompt position's top_logprobs are as many as a generated one's).
-        prompt_logprobs = req.logprobs if req.echo else None
+        # so a prompt position's top_logprobs are as many as a generated one's), or vLLM's prompt_logprobs;
+        # with both, the larger k, and each part of the response takes its own.
+        asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
         params = render.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
-                                        prompt_logprobs)
+                                        max(asked) if asked else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, prompts, params, "prompt")
         outputs = self.engine.generate(served.name, request_id, prompts, params, texts, stream=req.stream)
@@ -210,7 +212,8 @@ class _Handlers:
                 completion_tokens += len(out.token_ids)
                 choices.append(CompletionChoice(index=index * req.n + out.index, text=echoed + out.text,
                                                 logprobs=self._choice_logprobs(req, finals[index], out, echoed),
-                                                finish_reason=render.finish_reason(out.finish_reason)))
+                                                finish_reason=render.finish_reason(out.finish_reason),
+                                                prompt_logprobs=self._prompt_logprobs(req, finals[index])))
         return JSONResponse(dump(CompletionResponse(
             id=request_id, created=int(time.time()), model=served.name, choices=choices,
             usage=render.usage(prompt_tokens, completion_tokens))))
@@ -219,9 +222,14 @@ class _Handlers:
         if req.logprobs is None:
             return None
         if req.echo:
-            return render.echo_logprobs(self.token_text, request, echoed, out, top=bool(req.logprobs))
+            return render.echo_logprobs(self.token_text, request, echoed, out, num_top=req.logprobs)
         return render.completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
                                           out.top_logprobs if req.logprobs else None)
+
+    def _prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest, request: Any) -> Any:
+        if req.prompt_logprobs is None:
+            return None
+        return render.prompt_logprobs(self.token_text, request, req.prompt_logprobs)
 
     def _echo_text(self, ids: list[int], text: str | None) -> str:
         """The prompt as the client sent it; token ids are decoded as they are, special tokens included
@@ -279,7 +287,8 @@ class _Handlers:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (req.top_logprobs or True) if req.logprobs else None
-        params = render.sampling_params(req, max_tokens, logprobs)
+        _check_prompt_logprobs(req)
+        params = render.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, [prompt], params, "messages")
         outputs = self.engine.generate(served.name, request_id, [prompt], params, stream=req.stream)
@@ -299,7 +308,7 @@ class _Handlers:
                                       finish_reason=render.finish_reason(out.finish_reason)))
         return JSONResponse(dump(ChatCompletionResponse(
             id=request_id, created=int(time.time()), model=served.name, choices=choices,
-            usage=render.usage(len(prompt), completion_tokens))))
+            usage=render.usage(len(prompt), completion_tokens), prompt_logprobs=self._prompt_logprobs(req, finals[0]))))
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
@@ -361,6 +370,13 @@ def _check_echo(req: CompletionRequest) -> None:
                        "prompt only)", param="max_tokens")
     if req.echo and req.stream:
         raise APIError("echo is not supported with stream=true; send the request without stream", param="echo")
+
+
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """prompt_logprobs come whole with the final response; in a stream they are refused rather than dropped."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not supported with stream=true; send the request without stream",
+                       param="prompt_logprobs")
 
 
 def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:

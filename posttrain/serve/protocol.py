@@ -45,6 +45,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # with the k most likely at each position
 
 
 class CompletionRequest(SamplingFields):
@@ -91,11 +92,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: one token at one prompt position."""
+
+    logprob: float
+    rank: int  # among the vocabulary by logit, 1 = the most likely
+    decoded_token: str
+
+
+# Per prompt token: None for the first (nothing predicts it), else {token id: entry} for the prompt's own
+# token and the k most likely ones.
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -140,6 +155,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class DeltaMessage(BaseModel):

@@ -14,6 +14,8 @@ from posttrain.serve.errors import APIError
 from posttrain.serve.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -104,11 +106,13 @@ def _top_dict(token_text: TokenText, step: list[tuple[int, float]] | None) -> di
 
 
 def echo_logprobs(token_text: TokenText, request: RequestOutput, prompt_text: str, out: CompletionOutput,
-                  top: bool) -> CompletionLogprobs:
+                  num_top: int) -> CompletionLogprobs:
     """Logprobs over the echoed text: the prompt's tokens (the engine's prompt_logprobs, raw log-softmax,
-    None first) and then the sample's, whose offsets start after the prompt text they follow."""
-    head = completion_logprobs(token_text, request.prompt_token_ids, request.prompt_logprobs or [],
-                               request.prompt_top_logprobs if top else None)
+    None first) and then the sample's, whose offsets start after the prompt text they follow. The engine may
+    hold more prompt alternatives than num_top (for a larger `prompt_logprobs` in the same request)."""
+    top = num_top > 0
+    prompt_top = [None if step is None else step[:num_top] for step in request.prompt_top_logprobs] if top else None
+    head = completion_logprobs(token_text, request.prompt_token_ids, request.prompt_logprobs or [], prompt_top)
     tail = completion_logprobs(token_text, out.token_ids, out.logprobs or [], out.top_logprobs if top else None,
                                offset=len(prompt_text))
     return CompletionLogprobs(
@@ -117,6 +121,21 @@ def echo_logprobs(token_text: TokenText, request: RequestOutput, prompt_text: st
         top_logprobs=(head.top_logprobs or []) + (tail.top_logprobs or []) if top else None,
         text_offset=head.text_offset + tail.text_offset,
     )
+
+
+def prompt_logprobs(token_text: TokenText, request: RequestOutput, num_top: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), its own logprob and rank and those of
+    the num_top most likely tokens (rank = place among them), keyed by token id."""
+    entries: PromptLogprobs = [None]
+    tops = request.prompt_top_logprobs or [None] * len(request.prompt_token_ids)
+    for token, logprob, rank, top in zip(request.prompt_token_ids[1:], request.prompt_logprobs[1:],
+                                         request.prompt_logprob_ranks[1:], tops[1:]):
+        entry = {str(token): PromptLogprob(logprob=logprob, rank=rank, decoded_token=token_text(token))}
+        for place, (alternative, alternative_logprob) in enumerate((top or [])[:num_top], start=1):
+            entry.setdefault(str(alternative), PromptLogprob(logprob=alternative_logprob, rank=place,
+                                                             decoded_token=token_text(alternative)))
+        entries.append(entry)
+    return entries
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[float],

@@ -68,6 +68,20 @@ def test_top_k_alternatives_equal_torch_topk() -> None:
         torch.testing.assert_close(got, values, atol=1e-4, rtol=0)
 
 
+def test_each_prompt_token_has_its_rank_by_logit() -> None:
+    """rank = 1 + the tokens the model finds more likely; the top-1 alternative has rank 1."""
+    llm = make_llm()
+    out = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    ranks = out.prompt_logprob_ranks
+    assert len(ranks) == len(LONG) and ranks[0] is None
+    dense = dense_log_softmax(llm.engine.model, LONG)  # (P - 1, V)
+    mine = dense.gather(1, torch.tensor(LONG[1:])[:, None])  # (P - 1, 1)
+    assert ranks[1:] == ((dense > mine).sum(-1) + 1).tolist()
+    for token, rank, top in zip(LONG[1:], ranks[1:], out.prompt_top_logprobs[1:]):
+        assert (rank == 1) == (top[0][0] == token)
+    assert 1 in ranks[1:] and max(ranks[1:]) > 1  # both cases occur in this prompt
+
+
 def test_prefix_cache_hits_never_skip_positions_that_need_logprobs() -> None:
     llm = make_llm()
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
