@@ -5,7 +5,9 @@ The RL trainers and on-policy distillation sample with the rollout engine over t
 the engine calls unmerged: on whole gathered weights (`dist.rollout_weights=whole`) or one layer at a time
 (`per_layer`), both covered below. GRPO's KL reference is the policy with its adapters off, run through the FSDP2
 wrapper. Two steps each: LoRA's B starts at zero, so the first step moves B alone and the second A too.
-`final/` must hold the adapter (and the score / value head) one process writes."""
+`final/` must hold the adapter (and the score / value head) one process writes. The 2-rank run also checkpoints
+step 1 (DCP shards: adapters, frozen base, optimizer moments, RNG streams), and one plain process resumed from it
+takes step 2 as the 2 ranks did and writes the same final files."""
 
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def test_two_fsdp2_processes_train_the_adapters_of_one(case, setups, tmp_path):
     command, setup, overrides, rollout_weights, compared = CASES[case]
     args = [command, *setups[setup], *overrides]
     one_process([*args, f"out={tmp_path / 'one'}"])
-    torchrun(2, [*args, f"out={tmp_path / 'two'}", "dist.strategy=fsdp2", f"dist.rollout_weights={rollout_weights}"])
+    torchrun(2, [*args, f"out={tmp_path / 'two'}", "dist.strategy=fsdp2", f"dist.rollout_weights={rollout_weights}",
+                 "train.save_every=1"])
     got, want = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for mine, theirs in zip(got, want):
@@ -80,3 +83,13 @@ def test_two_fsdp2_processes_train_the_adapters_of_one(case, setups, tmp_path):
     for name in theirs:
         assert max_difference(mine[name], theirs[name]) <= TOLERANCE, name
     assert final_adapter_config(tmp_path / "two") == final_adapter_config(tmp_path / "one")
+    checkpoint = tmp_path / "two" / "checkpoints" / "step-1"
+    assert (checkpoint / "shards" / ".metadata").is_file()
+    one_process([*args, f"out={tmp_path / 'resumed'}", f"resume={checkpoint}"])
+    [again] = read_metrics(tmp_path / "resumed")
+    assert again["step"] == 2
+    for key in ("loss", "grad_norm", *compared):
+        assert _close(again, got[1], key), ("resumed", key, again[key], got[1][key])
+    resumed = final_files(tmp_path / "resumed")
+    for name in mine:
+        assert max_difference(resumed[name], mine[name]) <= TOLERANCE, ("resumed", name)
