@@ -48,12 +48,13 @@ def ppl_rows(tokenizer, count: int) -> list:  # noqa: ANN001
     return [TokenizedRow(ids, [-100] + ids[1:]) for ids in rows]  # every token after the first is scored
 
 
-def dpo_rows(tokenizer, count: int) -> list:  # noqa: ANN001
-    from posttrain.eval.preference import read_pairs
+def dpo_rows(tokenizer, count: int, batch_size: int) -> list:  # noqa: ANN001
+    """The pairs' rows in the order `eval preference` scores them (waves of chosen rows, then their rejected)."""
+    from posttrain.eval.preference import read_pairs, rows_in_waves
     from posttrain.trainers.preference_data import tokenize_pair_for_policy
 
     pairs, _ = read_pairs(HH, tokenizer, tokenize_pair_for_policy, max_rows=count)
-    return [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    return rows_in_waves(pairs, batch_size)[0]
 
 
 @torch.no_grad()
@@ -87,7 +88,7 @@ def run_one(workload: str, path: str, count: int, batch_size: int) -> dict:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     model, tokenizer = load_model("smollm2-135m", dtype="float32", device="cpu")
-    rows = (ppl_rows if workload == "ppl" else dpo_rows)(tokenizer, count)
+    rows = ppl_rows(tokenizer, count) if workload == "ppl" else dpo_rows(tokenizer, count, batch_size)
     start = time.perf_counter()
     if path == "engine":
         from posttrain.eval.preference import completion_logps

@@ -114,7 +114,8 @@ class LLMEngine:
         request.texts = [None] * params.n
         request.detokenizers = [None] * params.n
         if params.prompt_logprobs is not None:
-            request.prompt_logprobs = seq.prompt_logprobs = PromptLogprobs(len(prompt_token_ids), params.prompt_logprobs)
+            request.prompt_logprobs = seq.prompt_logprobs = PromptLogprobs(
+                len(prompt_token_ids), params.prompt_logprobs, params.prompt_logprobs_from, params.prompt_logprob_ranks)
         self.requests[request_id] = request
         self.scheduler.add(seq)
 

@@ -42,7 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     # With prompt_logprobs=k > 0: per prompt token (None for the first), the k most likely (token, logprob).
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    # With prompt_logprobs: per prompt token (None for the first), its rank by logit (1 = the most likely).
+    # With prompt_logprob_ranks: per prompt token (None for the first), its rank by logit (1 = the most likely).
     prompt_logprob_ranks: list[int | None] | None = None
 
     @property

@@ -47,6 +47,7 @@ class PromptRows:
     targets: torch.Tensor  # (M,) the prompt token each row predicts
     counts: list[int]  # rows per sequence of the batch, in batch order
     num_tops: list[int]  # alternatives each sequence asked for
+    with_ranks: bool  # some sequence asked for the prompt tokens' ranks
 
 
 @dataclass
@@ -199,7 +200,9 @@ class ModelRunner:
         if prompt_rows:
             targets = [seq.token_ids[p + 1] for seq, wanted in zip(batch.seqs, prompt_positions) for p in wanted]
             num_tops = [0 if seq.prompt_logprobs is None else seq.prompt_logprobs.num_top for seq in batch.seqs]
-            prompt = PromptRows(as_tensor(prompt_rows), as_tensor(targets), [len(w) for w in prompt_positions], num_tops)
+            with_ranks = any(seq.prompt_logprobs is not None and seq.prompt_logprobs.with_ranks for seq in batch.seqs)
+            prompt = PromptRows(as_tensor(prompt_rows), as_tensor(targets), [len(w) for w in prompt_positions], num_tops,
+                                with_ranks)
         return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(sample_index), prompt)
 
     @torch.inference_mode()
@@ -233,7 +236,7 @@ class ModelRunner:
         if rows is None:
             return [None] * num_seqs
         logprobs, ranks, top_values, top_ids = token_logprobs_and_top(
-            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops))  # (M,), (M,), (M, k) x 2
+            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops), rows.with_ranks)
         return split_by_sequence(logprobs, ranks, top_values, top_ids, rows.counts, rows.num_tops)
 
     @torch.inference_mode()

@@ -78,6 +78,10 @@ class SamplingParams:
     sampled token's logprob; k > 0 = also the k most likely tokens. `prompt_logprobs`: None = off;
     0 = each prompt token's logprob under the model's raw distribution (no temperature, no penalties;
     see prompt_logprobs.py); k > 0 = also the k most likely tokens at each prompt position.
+    `prompt_logprobs_from=s`: entries only from prompt token s on (None before): the positions before
+    need no logits, so they may come from the prefix cache (score completions after a shared prompt).
+    `prompt_logprob_ranks=True`: also each prompt token's rank by logit (1 = the most likely), at the cost
+    of one more pass over the prompt's logits.
     `max_tokens=0` prefills the prompt and generates nothing (scoring with `prompt_logprobs`).
     `stop` and `stop_token_ids` are normalised to lists (empty when None).
     """
@@ -99,6 +103,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool | int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 1  # the first prompt token given an entry (earlier ones: None, and no logits)
+    prompt_logprob_ranks: bool = False  # also each prompt token's rank by logit (vLLM's `rank`)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -149,6 +155,13 @@ class SamplingParams:
               "logprobs", "None, a bool or an integer >= 0")
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
               "prompt_logprobs", "None or an integer >= 0")
+        check(_is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1, "prompt_logprobs_from",
+              "an integer >= 1")
+        check(self.prompt_logprobs is not None or self.prompt_logprobs_from == 1, "prompt_logprobs_from",
+              "1 unless prompt_logprobs is set")
+        check(isinstance(self.prompt_logprob_ranks, bool) and (self.prompt_logprobs is not None
+                                                               or not self.prompt_logprob_ranks),
+              "prompt_logprob_ranks", "a bool, and False unless prompt_logprobs is set")
         check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool")
 
     @property

@@ -144,20 +144,39 @@ def evaluate_dpo(
         raise PosttrainError(f"the policy and the reference have different vocabularies "
                              f"({policy.config.vocab_size} vs {reference.config.vocab_size} tokens)")
     pairs, report = read_pairs(data, tokenizer, tokenize_pair_for_policy, **data_options)
-    rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    rewards = beta * (completion_logps(policy, rows, batch_size, progress)
-                      - completion_logps(reference, rows, batch_size, progress))  # (2P,)
+    rows, order = rows_in_waves(pairs, batch_size)
+    rewards = torch.empty(2 * len(pairs), dtype=torch.float64)  # (2P,) chosen then rejected
+    rewards[order] = beta * (completion_logps(policy, rows, batch_size, progress)
+                             - completion_logps(reference, rows, batch_size, progress))
     chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
     result = pairwise_result(chosen, rejected, tie_tolerance, "dpo", report)
     result.beta = beta
     return result
 
 
+def rows_in_waves(pairs: Sequence[Any], batch_size: int) -> tuple[list[TokenizedRow], list[int]]:
+    """The pairs' rows in scoring order: waves of batch_size chosen rows, each followed by the same pairs'
+    rejected rows, which then find their shared prompt in the prefix cache (completion_logps). order[k]: the
+    index of row k among all chosen rows followed by all rejected rows."""
+    order = [i + offset for start in range(0, len(pairs), batch_size)
+             for offset in (0, len(pairs)) for i in range(start, min(start + batch_size, len(pairs)))]
+    everything = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    return [everything[i] for i in order], order
+
+
 def completion_logps(model: Transformer, rows: Sequence[TokenizedRow], batch_size: int = 8,
                      progress: bool = False) -> torch.Tensor:
     """Each row's summed log-probabilities of its labelled (completion) tokens, as the DPO trainer's
-    `sequence_logps` sums them, from the engine's prompt logprobs. (R,) float64."""
-    per_token = token_logprobs(model, [row.input_ids for row in rows], batch_size, progress)  # row: len - 1
-    sums = [math.fsum(logprob for logprob, label in zip(logprobs, row.labels[1:]) if label != IGNORE_INDEX)
-            for logprobs, row in zip(per_token, rows)]  # labels[0]: nothing predicts the first token
+    `sequence_logps` sums them, from the engine's prompt logprobs. Each row is scored from its first
+    labelled token, so the LM head skips the prompt and a prompt an earlier wave of batch_size rows computed
+    comes from the prefix cache. (R,) float64."""
+    firsts = [_first_labelled(row) for row in rows]  # labels[0] never counts: nothing predicts the first token
+    per_token = token_logprobs(model, [row.input_ids for row in rows], batch_size, progress, first_tokens=firsts)
+    sums = [math.fsum(logprob for logprob, label in zip(logprobs, row.labels[first:]) if label != IGNORE_INDEX)
+            for logprobs, row, first in zip(per_token, rows, firsts)]  # per row: len - first logprobs
     return torch.tensor(sums, dtype=torch.float64)
+
+
+def _first_labelled(row: TokenizedRow) -> int:
+    """The first token after the first that has a label (len(row) when none has)."""
+    return next((t for t in range(1, len(row.labels)) if row.labels[t] != IGNORE_INDEX), max(1, len(row.labels)))

@@ -194,7 +194,7 @@ class _Handlers:
         # with both, the larger k, and each part of the response takes its own.
         asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
         params = render.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
-                                        max(asked) if asked else None)
+                                        max(asked) if asked else None, prompt_ranks=req.prompt_logprobs is not None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, prompts, params, "prompt")
         outputs = self.engine.generate(served.name, request_id, prompts, params, texts, stream=req.stream)
@@ -288,7 +288,8 @@ class _Handlers:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (req.top_logprobs or True) if req.logprobs else None
         _check_prompt_logprobs(req)
-        params = render.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+        params = render.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
+                                        prompt_ranks=req.prompt_logprobs is not None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, [prompt], params, "messages")
         outputs = self.engine.generate(served.name, request_id, [prompt], params, stream=req.stream)

@@ -26,9 +26,10 @@ _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, prompt_ranks: bool = False) -> SamplingParams:
     """SamplingParams for a validated request; a combination the engine refuses becomes a 400 naming the field.
-    `prompt_logprobs` (echo with logprobs) makes the engine score the prompt too; None leaves it off."""
+    `prompt_logprobs` (echo with logprobs, or vLLM's prompt_logprobs) makes the engine score the prompt too;
+    None leaves it off. `prompt_ranks`: with the prompt tokens' ranks (vLLM's prompt_logprobs shows them)."""
     try:
         return SamplingParams(
             n=req.n,
@@ -46,6 +47,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int |
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            prompt_logprob_ranks=prompt_ranks,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
         )

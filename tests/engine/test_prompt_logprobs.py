@@ -71,7 +71,8 @@ def test_top_k_alternatives_equal_torch_topk() -> None:
 def test_each_prompt_token_has_its_rank_by_logit() -> None:
     """rank = 1 + the tokens the model finds more likely; the top-1 alternative has rank 1."""
     llm = make_llm()
-    out = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprob_ranks is None
+    out = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprob_ranks=True))[0]
     ranks = out.prompt_logprob_ranks
     assert len(ranks) == len(LONG) and ranks[0] is None
     dense = dense_log_softmax(llm.engine.model, LONG)  # (P - 1, V)
@@ -144,3 +145,48 @@ def test_max_tokens_zero_prefills_only() -> None:
         llm.generate([prompt], SamplingParams(max_tokens=1))
     with pytest.raises(PosttrainError, match="longer than max_model_len"):
         llm.generate([prompt + [1]], SamplingParams(max_tokens=0))
+
+
+def test_entries_from_a_later_token_skip_the_earlier_ones() -> None:
+    llm = make_llm()
+    full = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprob_ranks=True))[0]
+    for start in (1, 2, 30, len(LONG) - 1, len(LONG), len(LONG) + 5):
+        out = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprobs_from=start,
+                                                  prompt_logprob_ranks=True))[0]
+        skipped = min(start, len(LONG))
+        for got, want in ((out.prompt_logprobs, full.prompt_logprobs),
+                          (out.prompt_logprob_ranks, full.prompt_logprob_ranks)):
+            assert len(got) == len(LONG) and got[:skipped] == [None] * skipped
+            torch.testing.assert_close(torch.tensor(got[skipped:], dtype=torch.float64),
+                                       torch.tensor(want[skipped:], dtype=torch.float64), atol=1e-5, rtol=0)
+        assert [[t for t, _ in top] for top in out.prompt_top_logprobs[skipped:]] == [
+            [t for t, _ in top] for top in full.prompt_top_logprobs[skipped:]]
+
+
+def test_a_shared_prompt_comes_from_the_prefix_cache_when_only_completions_are_scored() -> None:
+    """A chosen / rejected pair: the same 40-token prompt, two completions. Scored from the completion on,
+    the second request takes the prompt's blocks from the cache, all but the last (block_size 4): its last
+    position's logits predict the first completion token. Scored from token 1, it can take none."""
+    prompt = LONG[:40]
+    chosen, rejected = prompt + [1, 2, 3, 4, 5], prompt + [9, 8, 7]
+    for first, cached in ((len(prompt), 36), (1, 0)):
+        llm = make_llm()
+        params = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_from=first)
+        outs = [llm.generate([ids], params)[0] for ids in (chosen, rejected)]
+        assert outs[1].num_cached_tokens == cached
+        for ids, out in zip((chosen, rejected), outs):
+            assert out.prompt_logprobs[:first] == [None] * first
+            dense = dense_log_softmax(llm.engine.model, ids).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(out.prompt_logprobs[first:]), dense[first - 1:], atol=1e-4, rtol=0)
+        assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"prompt_logprobs": 0, "prompt_logprobs_from": 0}, "prompt_logprobs_from must be an integer >= 1"),
+    ({"prompt_logprobs_from": 3}, "prompt_logprobs_from must be 1 unless prompt_logprobs is set"),
+    ({"prompt_logprob_ranks": True}, "prompt_logprob_ranks must be a bool, and False unless prompt_logprobs"),
+    ({"prompt_logprobs": 0, "prompt_logprob_ranks": 1}, "prompt_logprob_ranks must be a bool"),
+])
+def test_bad_prompt_logprobs_from_is_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)

@@ -93,6 +93,36 @@ def test_dpo_margins_equal_the_trainers_sequence_logps(tmp_path):
     assert result.margins == pytest.approx(expected.tolist(), abs=1e-4)
 
 
+def test_dpo_scoring_shares_each_prompt_through_the_prefix_cache(tmp_path, monkeypatch):
+    """The rejected rows of a wave take their pair's prompt blocks from the cache (the chosen rows computed
+    them in the wave before), and the margins stay those of the trainer's dense forward."""
+    import posttrain.eval.scoring as scoring
+
+    engines = []
+
+    class RecordingLLM(scoring.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(scoring, "LLM", RecordingLLM)
+    policy, reference, tokenizer = tiny_model(seed=0), tiny_model(seed=1), tiny_tokenizer()
+    rows = [{"prompt": "a long shared question about the weather in the mountains " * 2, "chosen": f" yes {i}",
+             "rejected": f" no, not at all {i}"} for i in range(5)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    result = evaluate_dpo(policy, reference, tokenizer, data, beta=0.5, batch_size=2)
+    assert len(engines) == 2  # the policy's scoring, then the reference's
+    pairs = load_pairs(DataConfig(path=str(data)), tokenizer, 0, tokenize_pair_for_policy).train
+    prompt_tokens = min(next(t for t, label in enumerate(p.chosen.labels) if label != IGNORE_INDEX) for p in pairs)
+    prompt_blocks = (prompt_tokens - 1) // 16  # block_size 16 (eval/scoring.py)
+    assert prompt_blocks >= 1
+    for llm in engines:  # every rejected row: at least the prompt's full blocks but the one holding its end
+        assert llm.stats()["prefix_cache_hit_tokens"] >= len(pairs) * prompt_blocks * 16
+    sequence = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    rewards = 0.5 * (frozen_logps(policy, sequence, 4, 0) - frozen_logps(reference, sequence, 4, 0)).double()
+    assert result.margins == pytest.approx((rewards[: len(pairs)] - rewards[len(pairs):]).tolist(), abs=1e-4)
+
+
 def test_policy_equal_to_reference_ties_everywhere_and_hh_rlhf_rows(tmp_path):
     transcripts = [
         {"chosen": "\n\nHuman: What is 2 plus 3?\n\nAssistant: Five.", "rejected": "\n\nHuman: What is 2 plus 3?\n\nAssistant: Blue."},
