@@ -112,7 +112,9 @@ class _PackedLinearMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
         kwargs = kwargs or {}
         if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            # F.linear(input, weight, bias=None): any of them may come by keyword
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             out = self.weights.linear(x, weight, bias)
             if out is not None:

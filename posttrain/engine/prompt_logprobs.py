@@ -76,15 +76,19 @@ class PromptLogprobs:
 
     def entries(self) -> list[float | None]:
         """One per prompt token: None for the first (and those before `first_token`), then each token's logprob."""
-        return [None] * (1 + self.num_skipped) + self.logprobs
+        return self._aligned(self.logprobs)
 
     def rank_entries(self) -> list[int | None] | None:
         """One per prompt token, as entries(): each token's rank (1 = the most likely); None unless asked for."""
-        return [None] * (1 + self.num_skipped) + self.ranks if self.with_ranks else None
+        return self._aligned(self.ranks) if self.with_ranks else None
 
     def top_entries(self) -> list[list[tuple[int, float]] | None] | None:
         """One per prompt token (None where entries() has None), or None when the request asked for no alternatives."""
-        return [None] * (1 + self.num_skipped) + self.top if self.num_top else None
+        return self._aligned(self.top) if self.num_top else None
+
+    def _aligned(self, values: list) -> list:
+        """values (one per computed entry) behind a None for each prompt token that has none: one per token."""
+        return [None] * (1 + self.num_skipped) + values
 
 
 @torch.inference_mode()

@@ -102,6 +102,8 @@ def test_the_scope_routes_nn_linear_and_leaves_other_ops_alone() -> None:
     with torch.inference_mode():
         layer(x)  # outside the scope: no new call reaches the packs
     assert packs.num_packs == 1
+    with torch.inference_mode(), packs.scope():  # arguments by keyword reach the packs too
+        assert torch.equal(F.linear(input=x, weight=layer.weight, bias=layer.bias), layer(x))
 
 
 def _rollout(llm, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
