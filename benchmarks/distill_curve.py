@@ -38,7 +38,7 @@ from posttrain.config import load_config  # noqa: E402
 from posttrain.engine import LLM, SamplingParams  # noqa: E402
 from posttrain.trainers.distill import DistillConfig, train_distill  # noqa: E402
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
 
 def log(message: str) -> None:

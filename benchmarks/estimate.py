@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
-HH = Path("/work/shared/data/hh-rlhf/harmless-pairs.jsonl.gz")
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
+HH = ROOT / "examples" / "data" / "hh-rlhf" / "harmless-pairs.jsonl.gz"
 CASES = ("sft-full", "sft-lora", "dpo", "grpo")
 ALLOCATORS = ("release", "keep")  # the values of model.cpu_memory
 OVERHEAD_PROBE = (

@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
-HH = Path("/work/shared/data/hh-rlhf/harmless-pairs.jsonl.gz")
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
+HH = ROOT / "examples" / "data" / "hh-rlhf" / "harmless-pairs.jsonl.gz"
 DENSE_LOGIT_CHUNK = 2048
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from posttrain.models.hub import load_model  # noqa: E402
 from posttrain.quant import SCHEMES, QuantizedLinear, dequantize_model, quantize_model, set_compute  # noqa: E402
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
 
 def log(message: str) -> None:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from posttrain.engine import LLM, SamplingParams  # noqa: E402
 from posttrain.models.hub import load_model, resolve_model_path  # noqa: E402
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
 
 def log(message: str) -> None:

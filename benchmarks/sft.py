@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
 
 def parse_args() -> argparse.Namespace:

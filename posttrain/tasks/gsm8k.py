@@ -17,8 +17,8 @@ from typing import Any
 
 from posttrain.tasks.base import TaskError, check_count, check_state
 
-# The shared data folder sits beside the repository checkout (`<checkout>/../shared/data`).
-DEFAULT_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+# GSM8K's train split ships with the repository (examples/data/gsm8k, MIT) for the examples and the default.
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "examples" / "data" / "gsm8k" / "train.jsonl"
 INSTRUCTION = "\nSolve it step by step, then give the final answer on the last line as '#### <number>'."
 
 

@@ -1,19 +1,17 @@
-"""hh-rlhf transcripts, on real rows of the shared file: parsed into chats with the prompt split off."""
+"""hh-rlhf transcripts, on real rows of the file the examples ship: parsed into chats with the prompt split off."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
-import pytest
 
 from posttrain.data.config import DataConfig
 from posttrain.data.dataset import read_examples
 from posttrain.data.formats import Preference, detect_format
 from posttrain.data.readers import read_rows
 
-HH = Path("/work/shared/data/hh-rlhf/harmless-pairs.jsonl.gz")
-pytestmark = pytest.mark.skipif(not HH.is_file(), reason="shared hh-rlhf file not present")
+HH = Path(__file__).resolve().parents[2] / "examples" / "data" / "hh-rlhf" / "harmless-pairs.jsonl.gz"
 
 
 def as_transcript(messages) -> str:

@@ -9,7 +9,6 @@ from posttrain.tasks import GSM8KTask, TaskError, load_gsm8k
 from posttrain.tasks.gsm8k import DEFAULT_PATH, INSTRUCTION
 
 
-@pytest.mark.skipif(not DEFAULT_PATH.is_file(), reason=f"{DEFAULT_PATH} not present on this machine")
 def test_real_file_first_rows_and_reward():
     rows = load_gsm8k(DEFAULT_PATH)
     first = rows[0]
