@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-
 from posttrain.data.config import DataConfig
 from posttrain.data.dataset import read_examples
 from posttrain.data.formats import Preference, detect_format
