@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
 
