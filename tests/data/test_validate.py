@@ -71,6 +71,22 @@ def test_conversation_row_classes(tmp_path, tokenizer, caplog):
     assert f"{path}:3: messages[1] has unknown role 'robot'" in caplog.text
 
 
+def test_identical_pairs_are_reported_with_file_line_and_skipped(tmp_path, caplog):
+    pair = {"prompt": "q", "chosen": " yes", "rejected": " no"}
+    path = write_lines(tmp_path / "pairs.jsonl", [
+        pair,
+        {"prompt": "q", "chosen": " yes", "rejected": " yes"},                  # 2 identical strings
+        {"prompt": [U("q")], "chosen": [A("yes")], "rejected": [A("yes")]},      # 3 identical messages
+        pair,
+    ])
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        loaded = read_examples(DataConfig(path=str(path), max_bad_row_fraction=0.5))
+    assert loaded.format == "preference" and len(loaded.examples) == 2
+    assert [(bad.location, bad.reason) for bad in loaded.bad.rows] == [
+        (f"{path}:2", "chosen and rejected are identical"), (f"{path}:3", "chosen and rejected are identical")]
+    assert f"skipping bad row {path}:2: chosen and rejected are identical" in caplog.text
+
+
 def test_truncate_instead_of_skip(tmp_path, tokenizer):
     path = write_lines(tmp_path / "d.jsonl", [{"prompt": "q", "completion": "a " * 200}, GOOD])
     result = build_sft_rows(DataConfig(path=str(path), max_length=64, overlong="truncate"), tokenizer)
