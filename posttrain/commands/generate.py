@@ -14,6 +14,7 @@ from typing import Any
 
 from posttrain.commands.common import add_model_arguments
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
+from posttrain.data.readers import read_json_rows
 from posttrain.errors import PosttrainError
 
 
@@ -33,18 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_prompts_file(path: Path) -> list[Any]:
     if not path.is_file():
         raise PosttrainError(f"{path}: no such file")
+    if path.suffix == ".jsonl":
+        return read_jsonl_prompts(path)
     lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix != ".jsonl":
-        return [line for line in lines if line.strip()]
+    return [line for line in lines if line.strip()]
+
+
+def read_jsonl_prompts(path: Path) -> list[Any]:
+    """The `prompt` (or `messages`) of each row; bad JSON or UTF-8 is a DataError naming file:line:column."""
     prompts = []
-    for line_no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PosttrainError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
-        prompt = row.get("prompt", row.get("messages")) if isinstance(row, dict) else None
+    for line_no, row in read_json_rows(path):
+        prompt = row.get("prompt", row.get("messages"))
         if prompt is None:
             raise PosttrainError(f"{path}:{line_no}: no `prompt` or `messages` field")
         prompts.append(prompt)

@@ -71,7 +71,7 @@ def peek_format(cfg: DataConfig, path: str | Path | None = None) -> str:
     if cfg.format != "auto":
         return cfg.format
     path = Path(path if path is not None else cfg.path)
-    head = itertools.islice(read_rows(path, split=cfg.split, on_error=lambda n, reason: None), DETECT_ROWS)
+    head = itertools.islice(read_rows(path, split=cfg.split, on_error=lambda n, column, reason: None), DETECT_ROWS)
     renamed = (_try(rename_columns, row, cfg.columns) for _, row in head)
     return _vote_format([row for row in renamed if isinstance(row, dict)], str(path))
 
@@ -84,10 +84,10 @@ def read_examples(cfg: DataConfig, path: str | Path | None = None, bad: BadRowLo
     source = str(path)
     undecodable = 0
 
-    def on_error(n: int, reason: str) -> None:  # a line that is not a JSON object: a bad row too
+    def on_error(n: int, column: int | None, reason: str) -> None:  # a line that is not a JSON object: a bad row too
         nonlocal undecodable
         undecodable += 1
-        bad.add(row_location(path, n), reason)
+        bad.add(row_location(path, n, column), reason)
 
     rows: Iterator[tuple[int, dict[str, Any]]] = read_rows(path, split=cfg.split, on_error=on_error)
     if cfg.max_rows is not None:

@@ -25,6 +25,7 @@ from typing import Any, Union
 from posttrain.data.validate import (
     RowError,
     check_completion_messages,
+    check_distinct_completions,
     check_messages,
     check_text,
     check_turn_order,
@@ -115,8 +116,10 @@ def parse_language_modeling(row: Mapping[str, Any]) -> Text:
 
 
 def parse_preference(row: Mapping[str, Any]) -> Preference:
+    """The explicit format, and the funnel of the implicit and hh formats once their prompt is split off."""
     prompt, chosen = _prompt_and_completion(row, "chosen")
     _, rejected = _prompt_and_completion(row, "rejected")
+    check_distinct_completions(chosen, rejected)
     return Preference(prompt, chosen, rejected)
 
 
@@ -211,13 +214,12 @@ def split_shared_messages(
     """(prompt, chosen_rest, rejected_rest): the longest shared message prefix that ends before an
     assistant turn, and what follows it in each. TRL's `extract_prompt` rule, plus the guarantee that
     both completions start with the assistant."""
+    check_distinct_completions(chosen, rejected)  # before splitting: an identical pair has no split point
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     while shared > 0 and chosen[shared - 1]["role"] == "assistant":
         shared -= 1  # an identical assistant turn belongs to both completions, not the prompt
-    if shared == len(chosen) and shared == len(rejected):
-        raise RowError("chosen and rejected are identical")
     if shared == 0:
         raise RowError("chosen and rejected share no prompt (they differ from the first message)")
     return chosen[:shared], chosen[shared:], rejected[shared:]
@@ -227,8 +229,7 @@ def split_shared_text(chosen: str, rejected: str) -> tuple[str, str, str]:
     """(prompt, chosen_rest, rejected_rest) for plain strings: the common prefix, cut back to a word
     boundary so each completion starts with the whitespace before its first differing word (tokens
     such as " blue" then stay whole)."""
-    if chosen == rejected:
-        raise RowError("chosen and rejected are identical")
+    check_distinct_completions(chosen, rejected)
     i = 0
     while i < min(len(chosen), len(rejected)) and chosen[i] == rejected[i]:
         i += 1

@@ -4,7 +4,11 @@ directories written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`.
 `read_rows(path)` yields `(n, row)`: `n` is the 1-based line number for JSON files and the 1-based
 row number for Parquet and Arrow; `row_location(path, n)` spells the matching `file:line` or
 `file:row N`. A JSON line that cannot be decoded (bad UTF-8, invalid JSON, not an object) is a bad
-row: it goes to `on_error(n, reason)` and reading continues; without `on_error` it is a DataError.
+row: it goes to `on_error(n, column, reason)` and reading continues; without `on_error` it is a
+DataError. `column` is the 1-based character column within that line where decoding stopped (None
+when no single place is to blame), so `row_location(path, n, column)` reads `file:3:17` as editors
+and compilers write it. `read_json_rows` is the JSON half alone, for files read as JSON whatever
+their name (the prompt files of the RL trainers, tasks and `generate`).
 Parquet and Arrow need `pyarrow` (imported only for those); the `datasets` library is not needed.
 """
 
@@ -19,12 +23,14 @@ from typing import Any
 from posttrain.data.validate import DataError
 
 Row = dict[str, Any]
-OnError = Callable[[int, str], None]
+OnError = Callable[[int, int | None, str], None]  # (line, column or None, reason)
 
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 _GZIP_MAGIC = b"\x1f\x8b"
-_BLANK = b"\xef\xbb\xbf \t\r\n"  # a UTF-8 byte-order mark and whitespace
+_BOM = b"\xef\xbb\xbf"
+_BLANK = _BOM + b" \t\r\n"  # a UTF-8 byte-order mark and whitespace
+_JSON_SPACE = " \t\r\n"
 
 
 def read_rows(path: str | Path, *, split: str = "train", on_error: OnError | None = None) -> Iterator[tuple[int, Row]]:
@@ -50,12 +56,12 @@ def read_rows(path: str | Path, *, split: str = "train", on_error: OnError | Non
         )
 
 
-def row_location(path: str | Path, n: int) -> str:
-    """`path:n` for line-numbered files, `path:row n` for columnar ones."""
+def row_location(path: str | Path, n: int, column: int | None = None) -> str:
+    """`path:n` (or `path:n:column`) for line-numbered files, `path:row n` for columnar ones."""
     path = Path(path)
     if path.is_dir() or path.name.lower().endswith(COLUMNAR_SUFFIXES):
         return f"{path}:row {n}"
-    return f"{path}:{n}"
+    return f"{path}:{n}" if column is None else f"{path}:{n}:{column}"
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -65,6 +71,15 @@ def _open_bytes(path: Path) -> Any:
     with open(path, "rb") as probe:
         gzipped = probe.read(2) == _GZIP_MAGIC
     return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def read_json_rows(path: str | Path, on_error: OnError | None = None) -> Iterator[tuple[int, Row]]:
+    """`(line, row)` of a JSON Lines file (optionally gzipped) or a JSON array of objects, whatever the
+    file's name; bad lines as in `read_rows`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    yield from _read_json(path, on_error)
 
 
 def _read_json(path: Path, on_error: OnError | None) -> Iterator[tuple[int, Row]]:
@@ -92,39 +107,63 @@ def _read_json(path: Path, on_error: OnError | None) -> Iterator[tuple[int, Row]
         while line:
             number += 1
             if line.strip():
-                row, reason = _decode_line(line, number == 1)
+                row, column, reason = _decode_line(line, number == 1)
                 if reason is None:
                     yield number, row
                 else:
-                    fail(number, reason)
+                    fail(number, column, reason)
             try:
                 line = lines.pop(0) if lines else f.readline()
             except (OSError, EOFError, gzip.BadGzipFile) as e:
                 raise DataError(f"{path}:{number + 1}: cannot read (truncated or corrupt file?): {e}") from None
 
 
-def _decode_line(raw: bytes, first_line: bool) -> tuple[Row | None, str | None]:
+def _decode_line(raw: bytes, first_line: bool) -> tuple[Row | None, int | None, str | None]:
+    """(row, None, None), or (None, column, reason) for a line that is not one JSON object. `raw` is
+    the line as read, newline included; columns count characters of the line (after a first line's
+    byte-order mark), from 1."""
+    if first_line:
+        raw = raw.removeprefix(_BOM)
     try:
-        text = raw.decode("utf-8-sig" if first_line else "utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return None, f"invalid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+        column = len(raw[: e.start].decode("utf-8")) + 1  # the bytes before the bad one decode
+        return None, column, f"invalid UTF-8 (byte {raw[e.start]:#04x})"
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
-        return None, f"invalid JSON: {e.msg} at column {e.colno}"
+        return None, _json_error_at(text, e.pos)[1], f"invalid JSON: {e.msg}"
+    except (RecursionError, ValueError) as e:  # nesting too deep for the parser; an int past Python's digit limit
+        return None, None, f"invalid JSON: {'nested too deeply' if isinstance(e, RecursionError) else e}"
     if not isinstance(row, dict):
-        return None, f"expected a JSON object, got {type(row).__name__}"
-    return row, None
+        return None, None, f"expected a JSON object, got {type(row).__name__}"
+    return row, None, None
+
+
+def _json_error_at(text: str, offset: int) -> tuple[int, int]:
+    """(line, column) of a JSON decoder's error `offset` in `text`. Where the decoder ran out of input
+    (an unclosed object or array), the place to blame is just after the last non-blank character,
+    not the start of the empty line after the final newline."""
+    return _position(text, min(offset, len(text.rstrip(_JSON_SPACE))))
+
+
+def _position(text: str, offset: int) -> tuple[int, int]:
+    """The 1-based (line, column) of character `offset` of `text`."""
+    line_start = text.rfind("\n", 0, offset) + 1
+    return text.count("\n", 0, offset) + 1, offset - line_start + 1
 
 
 def _read_json_array(path: Path, data: bytes) -> Iterator[tuple[int, Row]]:
     """Decode element by element so each row keeps the line it starts on. A syntax error ends the
     file (there is no next line to resynchronise on), so it is a DataError, not a bad row."""
+    data = data.removeprefix(_BOM)
     try:
-        text = data.decode("utf-8-sig")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: invalid UTF-8 in a JSON array file") from None
+        before = data[: e.start].decode("utf-8")  # the bytes before the bad one decode
+        line, column = _position(before, len(before))
+        raise DataError(f"{path}:{line}:{column}: invalid UTF-8 (byte {data[e.start]:#04x}) "
+                        "in a JSON array file") from None
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
     line, counted_to = 1, 0
@@ -149,7 +188,11 @@ def _read_json_array(path: Path, data: bytes) -> Iterator[tuple[int, Row]]:
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON array: {e.msg}") from None
+            at = ":".join(map(str, _json_error_at(text, e.pos)))
+            raise DataError(f"{path}:{at}: invalid JSON array: {e.msg}") from None
+        except (RecursionError, ValueError) as e:
+            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise DataError(f"{path}:{start}: invalid JSON array: {reason}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{start}: array items must be JSON objects, got {type(row).__name__}")
         yield start, row
@@ -159,12 +202,13 @@ def _read_json_array(path: Path, data: bytes) -> Iterator[tuple[int, Row]]:
             continue
         if pos < len(text) and text[pos] == "]":
             return
-        raise DataError(f"{path}:{line_at(pos)}: invalid JSON array: expected ',' or ']'")
+        at = ":".join(map(str, _json_error_at(text, pos)))
+        raise DataError(f"{path}:{at}: invalid JSON array: expected ',' or ']'")
 
 
 def _raise_at(path: Path) -> OnError:
-    def fail(number: int, reason: str) -> None:
-        raise DataError(f"{path}:{number}: {reason}")
+    def fail(number: int, column: int | None, reason: str) -> None:
+        raise DataError(f"{row_location(path, number, column)}: {reason}")
 
     return fail
 

@@ -112,6 +112,13 @@ def check_completion_messages(messages: Sequence[Mapping[str, Any]], field: str)
         raise RowError(f"empty {field} (the assistant message has no text)")
 
 
+def check_distinct_completions(chosen: Any, rejected: Any) -> None:
+    """A pair whose two completions are the same (strings, or message lists compared message by
+    message) prefers nothing: every preference format goes through this one check, with one reason."""
+    if chosen == rejected:
+        raise RowError("chosen and rejected are identical")
+
+
 # ----------------------------------------------------------------------------- the bad-row log
 
 

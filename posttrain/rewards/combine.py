@@ -1,8 +1,10 @@
 """Several reward functions on one batch -> one weighted reward per sample.
 
 Unscorable samples. A function returns None (or NaN) for a sample it cannot score; a function that
-raises marks every sample of the batch unscorable for that function (the exception is logged once
-per call and its message kept in `RewardResult.errors`). A sample is unscorable — total NaN — if ANY
+raises marks every sample of the batch unscorable for that function (its message is kept in
+`RewardResult.errors`; the exception is logged, with its traceback, the first time that spec's function
+raises and not again: a spec lives for one run, shared by its training and evaluation batches, so a
+reward that fails on every batch warns once per run, as docs/rewards.md says). A sample is unscorable — total NaN — if ANY
 function with a non-zero weight could not score it: a partial sum would silently change what the
 reward means for that sample. Weight-0 functions are computed and reported in `per_function` (for
 metrics) but take no part in the total nor in the unscorable decision. The RL advantage code
@@ -34,6 +36,15 @@ logger = logging.getLogger(__name__)
 MAX_ERRORS_KEPT = 5
 
 
+class _FailureLog:
+    """Whether a spec's function has raised yet; only that first failure is logged with a warning."""
+
+    __slots__ = ("logged",)
+
+    def __init__(self) -> None:
+        self.logged = False
+
+
 @dataclass(frozen=True)
 class RewardSpec:
     """A reward function under a name (the key in metrics) with its weight in the total."""
@@ -41,6 +52,8 @@ class RewardSpec:
     name: str
     fn: RewardFn
     weight: float = 1.0
+    # Mutable inside the frozen spec: the spec is built once per run (trainer or eval, from its config).
+    _failures: _FailureLog = field(default_factory=_FailureLog, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -122,8 +135,7 @@ def compute_rewards(
     for spec in specs:  # in spec order, so results and messages are deterministic
         if spec.name in failures:
             error = failures[spec.name]
-            logger.warning("reward %r raised on a batch of %d samples; they are unscorable for it: %s: %s",
-                           spec.name, batch_size, type(error).__name__, error, exc_info=error)
+            _log_failure(spec, batch_size, error)
             if len(errors) < MAX_ERRORS_KEPT:
                 errors.append(f"{spec.name}: {type(error).__name__}: {error}")
             per_function[spec.name] = torch.full((batch_size,), float("nan"))
@@ -136,6 +148,18 @@ def compute_rewards(
             total += spec.weight * per_function[spec.name].double()  # NaN propagates: unscorable
     total = total.float()
     return RewardResult(total, per_function, int(torch.isnan(total).sum()), errors)
+
+
+def _log_failure(spec: RewardSpec, batch_size: int, error: BaseException) -> None:
+    """A warning with the traceback the first time `spec` raises; later failures only at debug level."""
+    if spec._failures.logged:
+        logger.debug("reward %r raised again on a batch of %d samples: %s: %s",
+                     spec.name, batch_size, type(error).__name__, error)
+        return
+    spec._failures.logged = True
+    logger.warning("reward %r raised on a batch of %d samples; they are unscorable for it (shown once: later "
+                   "failures of this reward are not logged again, but still count as unscorable): %s: %s",
+                   spec.name, batch_size, type(error).__name__, error, exc_info=error)
 
 
 def _validate_batch(

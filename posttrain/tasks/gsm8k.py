@@ -9,12 +9,13 @@ is the whole state, so a resumed run continues with exactly the rows it would ha
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from posttrain.data.readers import read_json_rows
+from posttrain.data.validate import DataError
 from posttrain.tasks.base import TaskError, check_count, check_state
 
 # GSM8K's train split ships with the repository (examples/data/gsm8k, MIT) for the examples and the default.
@@ -23,26 +24,21 @@ INSTRUCTION = "\nSolve it step by step, then give the final answer on the last l
 
 
 def load_gsm8k(path: str | Path) -> list[dict[str, Any]]:
-    """Prompt rows from a GSM8K jsonl file; errors name file:line (bad JSON, no 'question' / 'answer')."""
+    """Prompt rows from a GSM8K jsonl file; errors name file:line (no 'question' / 'answer') or
+    file:line:column (bad JSON or UTF-8), as the shared data readers spell them."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise TaskError(f"gsm8k task: data file {path} not found (pass path=... to the task)")
     rows = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TaskError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise TaskError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
+    try:
+        for line_number, record in read_json_rows(path):
             for key in ("question", "answer"):
                 if not isinstance(record.get(key), str) or not record[key].strip():
                     raise TaskError(f"{path}:{line_number}: row has no {key!r} string")
             rows.append({"prompt": [{"role": "user", "content": record["question"].strip() + INSTRUCTION}],
                          "answer": record["answer"]})
+    except DataError as error:  # undecodable: reported as this task's error
+        raise TaskError(str(error)) from None
     if not rows:
         raise TaskError(f"{path}: no rows")
     return rows

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -25,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from posttrain.algos import dapo_dynamic_sampling_mask, soft_overlong_penalty
+from posttrain.data.readers import read_json_rows
 from posttrain.dist.env import all_gather_objects
 from posttrain.engine import LLM, SamplingParams
 from posttrain.errors import PosttrainError
@@ -82,20 +82,11 @@ class JsonlPrompts:
         if not path.is_file():
             raise PosttrainError(f"data.path: {path} not found")
         rows = []
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise PosttrainError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-                if not isinstance(record, dict):
-                    raise PosttrainError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-                if cfg.prompt_column not in record:
-                    raise PosttrainError(f"{path}:{number}: no prompt column {cfg.prompt_column!r} "
-                                         f"(columns: {', '.join(record) or 'none'}); set data.prompt_column")
-                rows.append(self._to_row(record, cfg, f"{path}:{number}"))
+        for number, record in read_json_rows(path):  # bad JSON / UTF-8: a DataError naming file:line:column
+            if cfg.prompt_column not in record:
+                raise PosttrainError(f"{path}:{number}: no prompt column {cfg.prompt_column!r} "
+                                     f"(columns: {', '.join(record) or 'none'}); set data.prompt_column")
+            rows.append(self._to_row(record, cfg, f"{path}:{number}"))
         if len(rows) <= cfg.eval_size:
             raise PosttrainError(f"{path}: {len(rows)} rows, not enough for data.eval_size={cfg.eval_size} held out "
                                  "plus training rows")

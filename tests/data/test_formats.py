@@ -98,6 +98,30 @@ def test_bad_rows_raise_row_error_with_the_reason(fmt, row, reason):
         FORMATS[fmt](row)
 
 
+HH_SAME = "\n\nHuman: q\n\nAssistant: a"
+
+
+@pytest.mark.parametrize("fmt, row", [
+    ("preference", {"prompt": "q", "chosen": " a", "rejected": " a"}),
+    ("preference", {"prompt": [U("q")], "chosen": [A("a")], "rejected": [A("a")]}),
+    ("preference", {"prompt": [U("q")], "chosen": [A("a"), U("more"), A("b")], "rejected": [A("a"), U("more"), A("b")]}),
+    ("implicit_preference", {"chosen": "q a", "rejected": "q a"}),
+    ("implicit_preference", {"chosen": "same", "rejected": "same"}),  # no word boundary: still "identical"
+    ("implicit_preference", {"chosen": [U("q"), A("a")], "rejected": [U("q"), A("a")]}),
+    ("implicit_preference", {"chosen": [U("q"), A("a"), U("q2")], "rejected": [U("q"), A("a"), U("q2")]}),
+    ("hh_rlhf", {"chosen": HH_SAME, "rejected": HH_SAME}),
+])
+def test_identical_completions_are_one_bad_row_reason_in_every_preference_format(fmt, row):
+    with pytest.raises(RowError, match=r"^chosen and rejected are identical$"):
+        FORMATS[fmt](row)
+
+
+def test_completions_that_differ_only_in_a_later_turn_are_a_pair():
+    pair = FORMATS["preference"]({"prompt": [U("q")], "chosen": [A("a"), U("more"), A("b")],
+                                  "rejected": [A("a"), U("more"), A("c")]})
+    assert pair.chosen[-1] != pair.rejected[-1]
+
+
 def test_to_chat_wraps_plain_strings():
     assert to_chat(PromptCompletion("q", "a")) == PromptCompletion([U("q")], [A("a")])
     assert to_chat(Text("t")) == Text("t")

@@ -42,11 +42,12 @@ def test_each_bad_row_class_is_reported_with_file_line_and_skipped(tmp_path, tok
         result = build_sft_rows(cfg, tokenizer)
     assert len(result.rows) == 5 and result.rows_read == 10
     got = {bad.location: bad.reason for bad in result.bad_rows}
-    assert list(got) == [f"{path}:{n}" for n in (4, 5, 2, 3, 6)]  # undecodable lines are found while reading
+    # undecodable lines are found while reading, and name the column where decoding stopped
+    assert list(got) == [f"{path}:4:32", f"{path}:5:31"] + [f"{path}:{n}" for n in (2, 3, 6)]
     assert "missing field 'completion'" in got[f"{path}:2"]
     assert "empty completion" in got[f"{path}:3"]
-    assert "invalid UTF-8" in got[f"{path}:4"]
-    assert "invalid JSON" in got[f"{path}:5"]
+    assert got[f"{path}:4:32"] == "invalid UTF-8 (byte 0xff)"
+    assert got[f"{path}:5:31"] == "invalid JSON: Expecting value"
     assert "too long" in got[f"{path}:6"] and "max_length 64" in got[f"{path}:6"]
     for n in (2, 3, 4, 5, 6):  # a warning per bad row, naming file:line
         assert f"{path}:{n}:" in caplog.text
@@ -69,6 +70,22 @@ def test_conversation_row_classes(tmp_path, tokenizer, caplog):
     assert "unknown role 'robot'" in reasons[f"{path}:3"]
     assert "no assistant message with text" in reasons[f"{path}:4"]
     assert f"{path}:3: messages[1] has unknown role 'robot'" in caplog.text
+
+
+def test_identical_pairs_are_reported_with_file_line_and_skipped(tmp_path, caplog):
+    pair = {"prompt": "q", "chosen": " yes", "rejected": " no"}
+    path = write_lines(tmp_path / "pairs.jsonl", [
+        pair,
+        {"prompt": "q", "chosen": " yes", "rejected": " yes"},                  # 2 identical strings
+        {"prompt": [U("q")], "chosen": [A("yes")], "rejected": [A("yes")]},      # 3 identical messages
+        pair,
+    ])
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        loaded = read_examples(DataConfig(path=str(path), max_bad_row_fraction=0.5))
+    assert loaded.format == "preference" and len(loaded.examples) == 2
+    assert [(bad.location, bad.reason) for bad in loaded.bad.rows] == [
+        (f"{path}:2", "chosen and rejected are identical"), (f"{path}:3", "chosen and rejected are identical")]
+    assert f"skipping bad row {path}:2: chosen and rejected are identical" in caplog.text
 
 
 def test_truncate_instead_of_skip(tmp_path, tokenizer):

@@ -68,6 +68,27 @@ def test_exception_marks_the_batch_unscorable_for_that_function_and_is_logged_on
     assert len(records) == 1 and records[0].exc_info is not None
 
 
+def test_a_spec_that_keeps_raising_is_logged_once_and_still_reported_every_batch(caplog):
+    calls = []
+
+    async def broken(prompts, completions, **kwargs):  # async too: failures come back from the gather
+        calls.append(1)
+        raise ConnectionError(f"judge server down ({len(calls)})")
+
+    specs = [RewardSpec("ok", const([1.0, 1.0, 1.0])), RewardSpec("judge", broken)]
+    with caplog.at_level(logging.DEBUG, logger="posttrain.rewards.combine"):
+        results = [compute_rewards(specs, PROMPTS, COMPLETIONS) for _ in range(3)]  # e.g. two steps, one eval
+    assert [r.errors for r in results] == [[f"judge: ConnectionError: judge server down ({n})"] for n in (1, 2, 3)]
+    assert all(r.num_unscorable == 3 for r in results)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "judge server down (1)" in warned[0].getMessage() and warned[0].exc_info
+    assert sum("raised again" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG) == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.combine"):  # new specs: a new run
+        compute_rewards([RewardSpec("judge", broken)], PROMPTS, COMPLETIONS)
+    assert len(caplog.records) == 1
+
+
 def test_async_functions_run_concurrently():
     first_started, second_started = asyncio.Event(), asyncio.Event()
 

@@ -61,14 +61,18 @@ def test_rows_are_copies(tmp_path):
 
 @pytest.mark.parametrize("lines, message", [
     (['{"question": "a?", "answer": "#### 1"}', '{"answer": "#### 2"}'], r"bad\.jsonl:2: row has no 'question' string"),
-    (['{"question": "a?", "answer": "#### 1"}', "", '{"question": "b?"'], r"bad\.jsonl:3: not valid JSON"),
-    (['["question", "answer"]'], r"bad\.jsonl:1: expected a JSON object, got list"),
+    # an unclosed line is blamed on itself, just after its last character (not on "column 1" of line 4)
+    (['{"question": "a?", "answer": "#### 1"}', "", '{"question": "b?"'],
+     r"bad\.jsonl:3:18: invalid JSON: Expecting ',' delimiter$"),
+    (['["question", "answer"]'], r"bad\.jsonl:1: array items must be JSON objects, got str"),  # read as a JSON array
+    (['{"question": "a?", "answer": "#### 1"}', '["question", "answer"]'], r"bad\.jsonl:2: expected a JSON object, got list"),
+    (['{"question": "a?", "answer": "#### 1"}', '{"question": "\udcff"}'], r"bad\.jsonl:2:15: invalid UTF-8 \(byte 0xff\)"),
     (['{"question": "a?", "answer": null}'], r"bad\.jsonl:1: row has no 'answer' string"),
     ([""], r"bad\.jsonl: no rows"),
 ])
 def test_bad_files_name_file_and_line(tmp_path, lines, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))  # "\udcff": the byte 0xff
     with pytest.raises(TaskError, match=message):
         load_gsm8k(path)
 
