@@ -1,0 +1,59 @@
+"""Whether an output directory can be written, found out before any compute.
+
+Commands write their output after minutes or hours of work (a trained model, a quantized checkpoint), so a
+path that cannot be written is checked up front: `check_writable_dir` creates what is missing, writes a file
+there and removes all of it again. Actually trying is the only reliable test: permission bits say nothing
+for root, and sysfs, read-only mounts or a regular file in the way refuse only when asked.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from posttrain.errors import PosttrainError
+
+
+def check_writable_dir(path: str | Path, subject: str | Path | None = None) -> None:
+    """Raise a PosttrainError (one line naming `subject`, default `path`, and the reason) unless a directory
+    can be created at `path`, with its missing parents, and written into; leaves nothing behind."""
+    path = Path(path)
+    subject = Path(subject) if subject is not None else path
+    missing = []  # deepest first
+    existing = path
+    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == subject else f"{existing} "
+        raise PosttrainError(f"{subject}: cannot write the output directory: {where}exists and is not a directory")
+    created: list[Path] = []
+    try:
+        for directory in reversed(missing):
+            directory.mkdir()
+            created.append(directory)
+        fd, probe = tempfile.mkstemp(prefix=".posttrain-write-check-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PosttrainError(os_error_line(subject, exc, "cannot write the output directory")) from None
+    finally:
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # another process wrote into it meanwhile: it is theirs now
+
+
+def os_error_line(subject: str | Path, exc: OSError, doing: str) -> str:
+    """`<subject>: <doing>: [<the path that failed>: ]<the OS's reason>`, the path only where it is not `subject`
+    (a probe file or a parent directory)."""
+    reason = exc.strerror or type(exc).__name__
+    failed = exc.filename
+    if failed is None or Path(os.fsdecode(failed)) == Path(subject):
+        return f"{subject}: {doing}: {reason}"
+    failed_path = Path(os.fsdecode(failed))
+    if failed_path.name.startswith(".posttrain-write-check-"):
+        failed_path = failed_path.parent  # the probe file: name the directory it was to go into
+    return f"{subject}: {doing}: {failed_path}: {reason}"
