@@ -15,9 +15,11 @@ from pathlib import Path
 from posttrain.errors import PosttrainError
 
 
-def check_writable_dir(path: str | Path, subject: str | Path | None = None) -> None:
-    """Raise a PosttrainError (one line naming `subject`, default `path`, and the reason) unless a directory
-    can be created at `path`, with its missing parents, and written into; leaves nothing behind."""
+def check_writable_dir(
+    path: str | Path, subject: str | Path | None = None, doing: str = "cannot write the output directory"
+) -> None:
+    """Raise a PosttrainError (one line: `subject`, default `path`, then `doing` and the reason) unless a
+    directory can be created at `path`, with its missing parents, and written into; leaves nothing behind."""
     path = Path(path)
     subject = Path(subject) if subject is not None else path
     missing = []  # deepest first
@@ -27,7 +29,7 @@ def check_writable_dir(path: str | Path, subject: str | Path | None = None) -> N
         existing = existing.parent
     if not existing.is_dir():
         where = "" if existing == subject else f"{existing} "
-        raise PosttrainError(f"{subject}: cannot write the output directory: {where}exists and is not a directory")
+        raise PosttrainError(f"{subject}: {doing}: {where}exists and is not a directory")
     created: list[Path] = []
     try:
         for directory in reversed(missing):
@@ -37,13 +39,22 @@ def check_writable_dir(path: str | Path, subject: str | Path | None = None) -> N
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise PosttrainError(os_error_line(subject, exc, "cannot write the output directory")) from None
+        raise PosttrainError(os_error_line(subject, exc, doing)) from None
     finally:
         for directory in reversed(created):
             try:
                 directory.rmdir()
             except OSError:
                 pass  # another process wrote into it meanwhile: it is theirs now
+
+
+def check_writable_file(path: str | Path) -> None:
+    """Raise a PosttrainError naming `path` unless a file can be written there (its directory is created when
+    it comes to writing; nothing is left behind now)."""
+    path = Path(path)
+    if path.is_dir():
+        raise PosttrainError(f"{path}: cannot write the file: it is a directory")
+    check_writable_dir(path.parent, subject=path, doing="cannot write the file")
 
 
 def os_error_line(subject: str | Path, exc: OSError, doing: str) -> str:

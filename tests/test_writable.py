@@ -16,12 +16,12 @@ SYSFS = Path("/sys/kernel")  # refuses mkdir even for root, where permission bit
 
 
 def unwritable_outs(tmp_path: Path) -> list[tuple[Path, str]]:
-    """(an --out that cannot be created, what the error line must say)."""
+    """(an --out that cannot be created, what the error line must say after the headline)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory\n")
     outs = [(blocker / "run", f"{blocker} exists and is not a directory")]
     if SYSFS.is_dir():
-        outs.append((SYSFS / "posttrain-run", "cannot write the output directory"))
+        outs.append((SYSFS / "posttrain-run", ""))  # the OS's words: EPERM for mkdir, EACCES for a file
     return outs
 
 
@@ -41,10 +41,10 @@ MODEL_WRITERS = {
 }
 
 
-def assert_one_error_line(capsys, out: Path, reason: str) -> None:
+def assert_one_error_line(capsys, out: Path, reason: str, headline: str = "cannot write the output directory") -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith(f"error: {out}: ") and reason in err[0], err[0]
+    assert err[0].startswith(f"error: {out}: {headline}: ") and reason in err[0], err[0]
     assert NO_MODEL not in err[0]
 
 
@@ -97,3 +97,20 @@ def test_make_run_dir_reports_a_file_in_the_way(tmp_path):
         make_run_dir("sft", blocker / "run", {"steps": 1})
     with pytest.raises(PosttrainError, match=rf"^{blocker}/runs: cannot write the output directory"):
         make_run_dir("sft", None, {"steps": 1}, runs_root=blocker / "runs")
+
+
+def test_report_refuses_an_unwritable_out(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    for out, reason in unwritable_outs(tmp_path):
+        assert cli_main(["report", str(run), "--out", str(out)]) == 2
+        assert_one_error_line(capsys, out, reason, "cannot write the report")
+
+
+def test_eval_refuses_an_unwritable_samples_file_before_loading(tmp_path, capsys):
+    # --samples is written after the whole evaluation: its path is checked before the model loads
+    cases = [(out.with_suffix(".jsonl"), reason) for out, reason in unwritable_outs(tmp_path)]
+    for samples, reason in cases + [(tmp_path, "it is a directory")]:
+        assert cli_main(["eval", "accuracy", "--task", "arithmetic", "--model", NO_MODEL, "--samples", str(samples)]) == 2
+        assert_one_error_line(capsys, samples, reason, "cannot write the file")
