@@ -14,6 +14,8 @@ from pathlib import Path
 
 from posttrain.errors import PosttrainError
 
+_PROBE_PREFIX = ".posttrain-write-check-"
+
 
 def check_writable_dir(
     path: str | Path, subject: str | Path | None = None, doing: str = "cannot write the output directory"
@@ -35,7 +37,7 @@ def check_writable_dir(
         for directory in reversed(missing):
             directory.mkdir()
             created.append(directory)
-        fd, probe = tempfile.mkstemp(prefix=".posttrain-write-check-", dir=path)
+        fd, probe = tempfile.mkstemp(prefix=_PROBE_PREFIX, dir=path)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
@@ -59,12 +61,13 @@ def check_writable_file(path: str | Path) -> None:
 
 def os_error_line(subject: str | Path, exc: OSError, doing: str) -> str:
     """`<subject>: <doing>: [<the path that failed>: ]<the OS's reason>`, the path only where it is not `subject`
-    (a probe file or a parent directory)."""
+    (a parent directory, or the directory a probe file was to go into)."""
     reason = exc.strerror or type(exc).__name__
-    failed = exc.filename
-    if failed is None or Path(os.fsdecode(failed)) == Path(subject):
+    if exc.filename is None:
         return f"{subject}: {doing}: {reason}"
-    failed_path = Path(os.fsdecode(failed))
-    if failed_path.name.startswith(".posttrain-write-check-"):
-        failed_path = failed_path.parent  # the probe file: name the directory it was to go into
-    return f"{subject}: {doing}: {failed_path}: {reason}"
+    failed = Path(os.fsdecode(exc.filename))
+    if failed.name.startswith(_PROBE_PREFIX):
+        failed = failed.parent
+    if failed == Path(subject):
+        return f"{subject}: {doing}: {reason}"
+    return f"{subject}: {doing}: {failed}: {reason}"

@@ -114,3 +114,15 @@ def test_eval_refuses_an_unwritable_samples_file_before_loading(tmp_path, capsys
     for samples, reason in cases + [(tmp_path, "it is a directory")]:
         assert cli_main(["eval", "accuracy", "--task", "arithmetic", "--model", NO_MODEL, "--samples", str(samples)]) == 2
         assert_one_error_line(capsys, samples, reason, "cannot write the file")
+
+
+def test_a_refusing_existing_directory_is_named_once(tmp_path):
+    # What a read-only mount says to the probe file: the error names the directory, not the probe
+    from posttrain.writable import os_error_line
+
+    probe = OSError(30, "Read-only file system", str(tmp_path / ".posttrain-write-check-abc"))
+    assert os_error_line(tmp_path, probe, "cannot write the report") == f"{tmp_path}: cannot write the report: " \
+                                                                        "Read-only file system"
+    parent = OSError(13, "Permission denied", str(tmp_path))
+    assert os_error_line(tmp_path / "run", parent, "cannot create the run directory") == \
+        f"{tmp_path / 'run'}: cannot create the run directory: {tmp_path}: Permission denied"
