@@ -15,6 +15,7 @@ import yaml
 
 from posttrain.config import config_to_dict, save_config
 from posttrain.errors import PosttrainError
+from posttrain.writable import check_writable_dir, os_error_line
 
 CONFIG_FILE = "config.yaml"
 DEFAULT_RUNS_ROOT = Path("runs")
@@ -43,11 +44,29 @@ def make_run_dir(
     else:
         run_dir = Path(out)
         _check_out_dir(run_dir, resume)
-        run_dir.mkdir(parents=True, exist_ok=True)
-    if resume:
-        _keep_previous_config(run_dir, config)
-    save_config(config, run_dir / CONFIG_FILE)
+        check_writable_dir(run_dir)  # names what is in the way (a regular file, a read-only parent)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # read-only, not permitted, a regular file on the way
+            raise PosttrainError(os_error_line(run_dir, exc, "cannot create the run directory")) from None
+    try:
+        if resume:
+            _keep_previous_config(run_dir, config)
+        save_config(config, run_dir / CONFIG_FILE)
+    except OSError as exc:
+        raise PosttrainError(os_error_line(run_dir, exc, "cannot write the run directory")) from None
     return run_dir
+
+
+def check_run_dir_writable(
+    out: str | Path | None, resume: str | None = None, runs_root: str | Path = DEFAULT_RUNS_ROOT
+) -> None:
+    """Fail now, before any compute, if the run directory `make_run_dir` will write cannot be written: `out`, or
+    with `out=None` a timestamped one under `runs_root`. Leaves nothing behind. Resuming a checkpoint without
+    `out` reopens the checkpoint's own run, which `make_run_dir` checks when it gets there."""
+    if out is None and resume is not None:
+        return
+    check_writable_dir(runs_root if out is None else out)
 
 
 def final_dir(run_dir: str | Path) -> Path:
@@ -56,7 +75,11 @@ def final_dir(run_dir: str | Path) -> Path:
 
 
 def _new_timestamped_dir(runs_root: Path, command: str) -> Path:
-    runs_root.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(runs_root)
+    try:
+        runs_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PosttrainError(os_error_line(runs_root, exc, "cannot create the runs directory")) from None
     stem = f"{command}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     # mkdir without exist_ok is atomic: of two processes racing for a name, one gets it.
     for attempt in range(1, 10_000):
@@ -66,6 +89,8 @@ def _new_timestamped_dir(runs_root: Path, command: str) -> Path:
             return candidate
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise PosttrainError(os_error_line(candidate, exc, "cannot create the run directory")) from None
     raise PosttrainError(f"{runs_root}: cannot find a free run directory name for {stem}")
 
 

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import PosttrainError
 from posttrain.models.hub import DEFAULT_MODEL
+from posttrain.run_dir import check_run_dir_writable
+from posttrain.writable import check_writable_dir
 
 
 def is_main_process() -> bool:
@@ -22,6 +25,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"HF directory, .gguf file or known name (default: {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+
+
+def add_out_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--out DIR` and `--force` of a command that writes one model directory (convert, quantize, lora-merge)."""
+    parser.add_argument("--out", required=True,
+                        help="output directory (must not exist or be empty, unless --force)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+
+
+def check_out_argument(out: Path, force: bool) -> None:
+    """Before the model loads: `out` is free (or `force`), and its parent can be written, since the directory is
+    written as a temporary sibling and renamed into place."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise PosttrainError(f"{out}: already exists and is not empty (use --force to replace it)")
+    check_writable_dir(out.parent, subject=out)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, example: str, distributed: bool = False) -> None:
@@ -42,6 +60,9 @@ def run_logged(train: Callable[[Any], Path], config: Any) -> int:
     if not is_main_process():  # under torchrun rank 0 speaks for the run
         train(config)
         return 0
+    # The trainers create the run directory once model and data have loaded (a bad row leaves no run behind);
+    # an --out that cannot be written should not wait for that.
+    check_run_dir_writable(config.out, config.resume)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     package_logger = logging.getLogger("posttrain")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttrain.commands.common import add_model_arguments
-from posttrain.errors import PosttrainError
+from posttrain.commands.common import add_model_arguments, add_out_arguments, check_out_argument
 from posttrain.models.checkpoint_io import parse_dtype, save_hf_dir
 from posttrain.models.hub import load_model
 from posttrain.models.layer_drop import evenly_spaced_layers, keep_layers, parse_layer_list
@@ -15,8 +14,7 @@ from posttrain.models.layer_drop import evenly_spaced_layers, keep_layers, parse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    add_out_arguments(parser)
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--num-layers", type=int, default=None,
                         help="keep N evenly spaced decoder layers, the first included (30 -> 15: every other layer)")
@@ -25,8 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        raise PosttrainError(f"{out}: already exists and is not empty (use --force to replace it)")
+    check_out_argument(out, args.force)
     dtype = parse_dtype(args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype, device="cpu")
     total = model.config.num_hidden_layers

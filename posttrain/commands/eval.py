@@ -19,6 +19,7 @@ from typing import Callable
 from posttrain.commands.common import add_model_arguments
 from posttrain.commands.eval_generation import accuracy_arguments, accuracy_run, em_f1_arguments, em_f1_run
 from posttrain.commands.eval_preference import preference_arguments, preference_run
+from posttrain.writable import check_writable_file
 
 
 @dataclass(frozen=True)
@@ -76,4 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "samples", None) is not None:  # written at the end: an unwritable path must not wait for it
+        check_writable_file(args.samples)
     return TASKS[args.task].run(args)

@@ -14,7 +14,8 @@ from typing import Any
 
 from posttrain.commands.common import add_model_arguments
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
-from posttrain.data.readers import read_json_rows
+from posttrain.commands.text_input import check_argument, json_text_problem, read_text_lines
+from posttrain.data.readers import read_rows
 from posttrain.errors import PosttrainError
 
 
@@ -32,23 +33,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompts_file(path: Path) -> list[Any]:
+    """Prompts of a .jsonl file (read as the dataset readers read it) or of a text file (one prompt a line)."""
     if not path.is_file():
         raise PosttrainError(f"{path}: no such file")
-    if path.suffix == ".jsonl":
-        return read_jsonl_prompts(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line for line in lines if line.strip()]
-
-
-def read_jsonl_prompts(path: Path) -> list[Any]:
-    """The `prompt` (or `messages`) of each row; bad JSON or UTF-8 is a DataError naming file:line:column."""
+    if path.suffix != ".jsonl":
+        return [line for _, line in read_text_lines(path) if line.strip()]
     prompts = []
-    for line_no, row in read_json_rows(path):
-        prompt = row.get("prompt", row.get("messages"))
+    for line_no, row in read_rows(path):
+        key = "prompt" if "prompt" in row else "messages"
+        prompt = row.get(key)
         if prompt is None:
             raise PosttrainError(f"{path}:{line_no}: no `prompt` or `messages` field")
+        problem = json_text_problem(prompt)
+        if problem is not None:
+            raise PosttrainError(f"{path}:{line_no}: {key}: a string {problem}")
         prompts.append(prompt)
     return prompts
+
+
+def command_line_prompts(args: argparse.Namespace) -> list[str]:
+    """The --prompt values, each checked to be UTF-8 (and --system with them)."""
+    if args.system is not None:
+        check_argument(args.system, "--system")
+    many = len(args.prompt) > 1
+    return [check_argument(p, f"--prompt #{i}" if many else "--prompt") for i, p in enumerate(args.prompt, 1)]
 
 
 def as_engine_prompt(prompt: Any, raw: bool, system: str | None) -> Any:
@@ -61,7 +69,7 @@ def as_engine_prompt(prompt: Any, raw: bool, system: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     from posttrain.engine.llm import LLM
 
-    prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    prompts = command_line_prompts(args) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise PosttrainError("no prompt: give --prompt TEXT or --prompts-file FILE")
     params = sampling_params_from_args(args, n=args.n, logprobs=True if args.logprobs else None)

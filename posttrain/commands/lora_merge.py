@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.errors import PosttrainError
+from posttrain.commands.common import add_out_arguments, check_out_argument
 from posttrain.models.checkpoint_io import load_hf_dir, parse_dtype, save_hf_dir
 from posttrain.models.hub import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from posttrain.peft.lora import merge_and_unload
@@ -20,16 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"base model: HF directory, .gguf file or known name (default: {DEFAULT_MODEL})")
     parser.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + "
                                                           "adapter_model.safetensors)")
-    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
+    add_out_arguments(parser)
     parser.add_argument("--dtype", default=None, help="dtype of the saved weights: float32 | bfloat16 | float16 "
                                                       "(default: float32; the merge itself is done in float32)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        raise PosttrainError(f"{out}: already exists and is not empty (use --force to replace it)")
+    check_out_argument(out, args.force)
     dtype = parse_dtype(args.dtype)
     path = resolve_model_path(args.model)
     model = load_hf_dir(path, dtype=torch.float32, device="cpu")  # merge in fp32, round once on save

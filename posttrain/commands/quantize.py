@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_model_arguments, add_out_arguments, check_out_argument
 from posttrain.errors import PosttrainError
 
 
@@ -15,8 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_arguments(parser)
     parser.add_argument("--scheme", required=True, help=f"one of: {', '.join(SCHEMES)}")
-    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    add_out_arguments(parser)
     parser.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                         help="rtn: round to nearest (default, no data); gptq: error-correcting rounding on "
                              "calibration text (needs --calib-data)")
@@ -44,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "rtn" and args.calib_data:
         raise PosttrainError("--calib-data is used by --method gptq only (round to nearest needs no data)")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        raise PosttrainError(f"{out}: already exists and is not empty (use --force to replace it)")
+    check_out_argument(out, args.force)
     texts = _calibration_texts(args) if args.method == "gptq" else None  # bad data fails before the model loads
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device or "cpu")
     if texts is not None:

@@ -11,8 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import PosttrainError
 from posttrain.report.load import RunData, load_run
 from posttrain.report.plots import Panel, Series, collect_series, is_eval_key, render_plots
+from posttrain.writable import check_writable_dir, os_error_line
 
 REPORT_FILE = "report.html"
 PLOTS_DIR = "plots"
@@ -194,12 +196,16 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Pat
     HTML's path. PosttrainError (naming the file, and the line) for a missing or malformed metrics file."""
     data = load_run(run_dir)
     target = Path(out_dir) if out_dir is not None else data.run_dir
-    target.mkdir(parents=True, exist_ok=True)
-    series = collect_series(data.records)
-    drawn = render_plots(series, target / PLOTS_DIR)
-    page = build_html(data, drawn, series)
-    path = target / REPORT_FILE
-    partial = path.with_name(f".{REPORT_FILE}.partial")
-    partial.write_text(page, encoding="utf-8")
-    os.replace(partial, path)  # a reader never sees half a page
+    check_writable_dir(target, doing="cannot write the report")  # a read-only run needs --out elsewhere
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        series = collect_series(data.records)
+        drawn = render_plots(series, target / PLOTS_DIR)
+        page = build_html(data, drawn, series)
+        path = target / REPORT_FILE
+        partial = path.with_name(f".{REPORT_FILE}.partial")
+        partial.write_text(page, encoding="utf-8")
+        os.replace(partial, path)  # a reader never sees half a page
+    except OSError as exc:  # the disk filled up, or the directory changed under us
+        raise PosttrainError(os_error_line(target, exc, "cannot write the report")) from None
     return path
