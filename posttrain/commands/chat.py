@@ -12,7 +12,7 @@ import sys
 
 from posttrain.commands.common import add_model_arguments
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
-from posttrain.commands.text_input import check_argument, decode_line
+from posttrain.commands.text_input import at, check_argument, decode_line
 from posttrain.errors import PosttrainError
 
 HELP = "commands: /reset  /system TEXT  /exit"
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         line_no += 1
         line, problem = decode_line(raw, first_line=line_no == 1)
         if problem is not None:
-            _report(f"<stdin>:{line_no}: {problem}; the line is skipped")
+            _report(at(f"<stdin>:{line_no}", problem) + "; the line is skipped")
             continue
         text = line.rstrip("\r\n")
         if not text.strip():

@@ -46,7 +46,7 @@ def read_prompts_file(path: Path) -> list[Any]:
             raise PosttrainError(f"{path}:{line_no}: no `prompt` or `messages` field")
         problem = json_text_problem(prompt)
         if problem is not None:
-            raise PosttrainError(f"{path}:{line_no}: {key}: a string {problem}")
+            raise PosttrainError(f"{path}:{line_no}: {key}: a string {problem[1]}")
         prompts.append(prompt)
     return prompts
 

@@ -118,17 +118,26 @@ def _read_json(path: Path, on_error: OnError | None) -> Iterator[tuple[int, Row]
                 raise DataError(f"{path}:{number + 1}: cannot read (truncated or corrupt file?): {e}") from None
 
 
+def utf8_error(raw: bytes) -> tuple[int, str] | None:
+    """None for valid UTF-8, else (column, reason) of the first bad byte: the column counts the characters
+    before it from 1, as every reader's `file:line:column` does."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return len(raw[: e.start].decode("utf-8")) + 1, f"invalid UTF-8 (byte {raw[e.start]:#04x})"
+    return None
+
+
 def _decode_line(raw: bytes, first_line: bool) -> tuple[Row | None, int | None, str | None]:
     """(row, None, None), or (None, column, reason) for a line that is not one JSON object. `raw` is
     the line as read, newline included; columns count characters of the line (after a first line's
     byte-order mark), from 1."""
     if first_line:
         raw = raw.removeprefix(_BOM)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        column = len(raw[: e.start].decode("utf-8")) + 1  # the bytes before the bad one decode
-        return None, column, f"invalid UTF-8 (byte {raw[e.start]:#04x})"
+    bad = utf8_error(raw)
+    if bad is not None:
+        return None, *bad
+    text = raw.decode("utf-8")
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:

@@ -31,19 +31,19 @@ def error_lines(capsys) -> list[str]:
 
 def test_generate_refuses_a_prompt_argument_that_is_not_utf8(model_dir, capsys):
     assert cli_main(["generate", "--model", str(model_dir), "--max-tokens", "2", "--prompt", BAD_ARGV]) == 2
-    assert error_lines(capsys) == ["error: --prompt: invalid UTF-8 (byte 0xff at column 4)"]
+    assert error_lines(capsys) == ["error: --prompt: invalid UTF-8 (byte 0xff) at character 4"]
     assert cli_main(["generate", "--model", str(model_dir), "--prompt", "fine", "--prompt", BAD_ARGV]) == 2
-    assert error_lines(capsys) == ["error: --prompt #2: invalid UTF-8 (byte 0xff at column 4)"]
+    assert error_lines(capsys) == ["error: --prompt #2: invalid UTF-8 (byte 0xff) at character 4"]
     assert cli_main(["generate", "--model", str(model_dir), "--prompt", "fine", "--system", BAD_ARGV]) == 2
-    assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff at column 4)"]
+    assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff) at character 4"]
 
 
 @pytest.mark.parametrize(("name", "content", "expected"), [
-    ("prompts.txt", b"fine\nbad \xff here\n", "2: invalid UTF-8 (byte 0xff at column 5)"),
-    ("prompts.jsonl", b'{"prompt": "fine"}\n{"prompt": "bad \xff"}\n', "2: invalid UTF-8 (byte 0xff at column 17)"),
+    ("prompts.txt", b"fine\nbad \xff here\n", "2:5: invalid UTF-8 (byte 0xff)"),
+    ("prompts.jsonl", b'{"prompt": "fine"}\n{"prompt": "bad \xff"}\n', "2:17: invalid UTF-8 (byte 0xff)"),
     # valid UTF-8 and valid JSON, but an unpaired surrogate escape is not text
     ("prompts.jsonl", b'{"prompt": "fine"}\n\n{"messages": [{"role": "user", "content": "a\\udcff"}]}\n',
-     "3: messages: a string holds the lone surrogate U+DCFF (at character 2), which is not text"),
+     "3: messages: a string holds the lone surrogate U+DCFF, which is not text"),
 ])
 def test_generate_refuses_a_prompts_file_that_is_not_utf8(model_dir, tmp_path, capsys, name, content, expected):
     path = tmp_path / name
@@ -63,10 +63,10 @@ def test_prompts_files_read_as_utf8(tmp_path):
 
 def test_text_problems_name_the_byte_or_the_surrogate():
     assert text_problem("plain ünïcode") is None
-    assert text_problem(BAD_ARGV) == "invalid UTF-8 (byte 0xff at column 4)"
-    assert text_problem("ab\ud800") == "holds the lone surrogate U+D800 (at character 3), which is not text"
+    assert text_problem(BAD_ARGV) == (4, "invalid UTF-8 (byte 0xff)")
+    assert text_problem("ab\ud800") == (3, "holds the lone surrogate U+D800, which is not text")
     assert decode_line(b"\xef\xbb\xbfhi\n", first_line=True) == ("hi\n", None)
-    assert decode_line(b"h\xc3(", first_line=False) == ("", "invalid UTF-8 (byte 0xc3 at column 2)")
+    assert decode_line(b"h\xc3(", first_line=False) == ("", (2, "invalid UTF-8 (byte 0xc3)"))
 
 
 class Chat:
@@ -95,7 +95,7 @@ class Chat:
 def test_chat_reports_a_line_that_is_not_utf8_and_goes_on(model_dir, monkeypatch, capsys, errors):
     chat = Chat(monkeypatch, model_dir)
     assert chat.run(b"Hi\nbad \xff\xfe line\nHello again\n", errors) == 0
-    assert error_lines(capsys) == ["error: <stdin>:2: invalid UTF-8 (byte 0xff at column 5); the line is skipped"]
+    assert error_lines(capsys) == ["error: <stdin>:2:5: invalid UTF-8 (byte 0xff); the line is skipped"]
     assert chat.answered == ["Hi", "Hello again"]
     assert len(chat.sent[1]) == 3 and chat.sent[1][0] == "Hi" and chat.sent[1][2] == "Hello again"
 
@@ -114,4 +114,4 @@ def test_chat_survives_a_message_longer_than_the_context(model_dir, monkeypatch,
 
 def test_chat_refuses_a_system_argument_that_is_not_utf8(model_dir, capsys):
     assert cli_main(["chat", "--model", str(model_dir), "--system", BAD_ARGV]) == 2
-    assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff at column 4)"]
+    assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff) at character 4"]
