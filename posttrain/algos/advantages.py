@@ -169,10 +169,12 @@ def gae_advantages(
 def dapo_dynamic_sampling_mask(rewards: Tensor, group_size: int) -> Tensor:
     """DAPO dynamic sampling (Yu et al. 2025, arXiv:2503.14476, eq. 11): keep groups whose rewards differ.
 
-    A group where every scorable reward is equal (all correct, all wrong) has zero advantage under
-    GRPO and only dilutes the batch. Groups with fewer than two scorable rewards are dropped too
-    (no baseline, see the module note); verl keeps singleton groups because it passes their raw
-    reward through. Equality is exact (max == min), not std > tolerance.
+    The paper keeps a group when 0 < #correct < G: pass the task (correctness) rewards, before any
+    shaping such as the soft overlong penalty, or an all-wrong group whose lengths differ is kept and
+    trains on length alone. A group where every scorable task reward is equal (all correct, all wrong)
+    carries no correctness signal and only dilutes the batch. Groups with fewer than two scorable
+    rewards are dropped too (no baseline, see the module note); verl keeps singleton groups because it
+    passes their raw reward through. Equality is exact (max == min), as verl's std > 0.
 
     rewards: (B,) with NaN for unscorable. Returns (B,) bool: True for every row of a kept group.
     """

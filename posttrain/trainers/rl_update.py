@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, masked_mean, value_loss
-from posttrain.dist.env import all_reduce_count, reduce_metrics
+from posttrain.dist.env import all_reduce_sum, reduce_metrics
 from posttrain.models.moe import moe_blocks, router_loss_and_metrics
 from posttrain.trainers.optim import optimizer_step
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups
@@ -120,7 +120,11 @@ def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tens
             # The minibatch is every rank's micro-batches: its normalisers are counted over all of them.
             totals = reduce_metrics(totals, set(totals), run.device)
             run.optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = 0.0  # the sum of the micro-batch losses: the minibatch's loss
+            # The minibatch's loss and its logged parts, each the sum of its micro-batch terms (each already
+            # normalised by the whole minibatch). A group left out for zero advantage would add exactly 0, so
+            # these sums equal the full pass's; a mean over the micro-batches that ran would not.
+            parts = ["loss/policy"] + (["loss/value"] if run.value_head is not None else [])
+            sums = dict.fromkeys(["loss", *parts], 0.0)
             if all(plan[m].pack is None for m in chosen):
                 # Nothing to differentiate, yet the optimizer still steps (Adam's moments and weight decay
                 # move the weights) exactly as with the zero gradient the full pass would have given.
@@ -157,14 +161,14 @@ def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tens
                         per_token = per_token - cfg.loss.entropy_coef * out.entropy
                     metrics["entropy"] = masked_mean(out.entropy.detach(), mask)
                     loss = aggregate(per_token, mask, max_len=cfg.rollout.max_tokens) * _share(algo.aggregation, mask, totals)
-                    metrics["loss/policy"] = loss.detach()
+                    sums["loss/policy"] += float(loss.detach())
                     if run.value_head is not None:
                         v_loss, v_metrics = value_loss(out.values, old_values[rows, :Lm], returns[rows, :Lm], mask,
                                                        clip_eps=cfg.ppo.value_clip)
                         v_loss = AGGREGATIONS["token-mean"](v_loss, mask) * _share("token-mean", mask, totals)
                         loss = loss + cfg.ppo.vf_coef * v_loss
                         metrics.update(v_metrics)
-                        metrics["loss/value"] = v_loss.detach()
+                        sums["loss/value"] += float(v_loss.detach())
                         metrics["value/mean"] = masked_mean(out.values.detach(), mask)
                     # Mixture-of-experts models: + the router's load-balancing loss (a token mean), router/* metrics.
                     # Real tokens of a packed row are those that see its first (prompt) token; padding sees itself only.
@@ -173,15 +177,14 @@ def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tens
                         loss = loss + router_loss * _share("token-mean", mask, totals)
                     metrics.update(router_metrics)
                     (loss * scale if scale != 1.0 else loss).backward()  # scale: see posttrain.dist.parallel
-                    minibatch_loss += float(loss.detach())
+                    sums["loss"] += float(loss.detach())
                     tokens += pack.num_input_tokens
-                    share = float(mask.sum())
-                    for key in ("loss/policy", "loss/value"):  # minibatch sums, not means: undo the weighting
-                        if key in metrics:
-                            metrics[key] = metrics[key] * max(totals["tokens"], 1.0) / max(share, 1.0)
-                    means.add(metrics, share)
-            if world > 1:  # each rank holds its part of the globally-normalised minibatch loss
-                minibatch_loss = all_reduce_count(minibatch_loss, run.device)
+                    means.add(metrics, float(mask.sum()))  # diagnostics: over the samples that trained
+            if world > 1:  # each rank holds its part of the globally-normalised minibatch sums
+                reduced = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=run.device))
+                sums = dict(zip(sums, reduced.tolist()))
+            minibatch_loss = sums.pop("loss")
+            means.add(sums, totals["tokens"])  # the parts: token-weighted over the minibatches
             lr = run.scheduler.get_last_lr()[0]
             grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
                                                 loss=minibatch_loss)

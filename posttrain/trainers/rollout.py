@@ -5,8 +5,9 @@
 - `generate_groups`: one engine call over the LIVE policy module, n samples per prompt, with the
   engine's sampling logprobs; `score_groups` adds rewards (NaN = unscorable) and DAPO's soft
   overlong penalty.
-- `collect_rollout`: the step's batch; with DAPO dynamic sampling it drops groups whose rewards are
-  all equal and samples more prompts to refill the batch, a bounded number of rounds.
+- `collect_rollout`: the step's batch; with DAPO dynamic sampling it drops groups whose task rewards
+  (before the overlong penalty) are all equal and samples more prompts to refill the batch, a bounded
+  number of rounds.
 - `evaluate`: greedy (temperature 0) accuracy on held-out prompts through the same engine.
 """
 
@@ -318,15 +319,25 @@ class RolloutStats:
     rollout_s: float = 0.0
     reward_s: float = 0.0
     generated_tokens: int = 0
-    zero_variance_frac: float = 0.0  # of the first round's groups
+    zero_variance_frac: float = 0.0  # of the first round's groups: those dynamic sampling drops
     refill_rounds: int = 0
     extra_prompts: int = 0  # prompts sampled beyond prompts_per_step to refill
     dropped_groups: int = 0
 
 
-def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(num_groups,) bool: groups whose scorable rewards are all equal (or that have < 2 of them)."""
-    keep = dapo_dynamic_sampling_mask(rewards, group_size).reshape(-1, group_size)[:, 0]  # (N,)
+def zero_variance_groups(batch: RolloutBatch) -> torch.Tensor:
+    """(num_groups,) bool: the groups DAPO's dynamic sampling drops, decided on correctness.
+
+    DAPO (eq. 11) keeps a group when 0 < #correct < G, and verl filters on `acc` (the scorer's
+    correctness, before its overlong penalty) by keeping groups whose values have std > 0. Here: the
+    task rewards (the reward functions' total, before the soft overlong penalty) must not all be equal.
+    For a 0/1 reward that is exactly 0 < #correct < G. For a graded reward (partial credit, a format
+    bonus) a group whose task rewards differ still carries a task signal and is kept; a threshold on
+    "correct" would throw that away. A group whose only spread is the length penalty (all wrong, some
+    overlong) is dropped: it would train on length alone. The advantage still uses the shaped rewards.
+    Groups with < 2 scorable rewards are dropped too (see dapo_dynamic_sampling_mask)."""
+    task = batch.task_rewards if batch.task_rewards is not None else batch.rewards  # (B,)
+    keep = dapo_dynamic_sampling_mask(task, batch.group_size).reshape(-1, batch.group_size)[:, 0]  # (N,)
     return ~keep
 
 
@@ -349,9 +360,10 @@ def collect_rollout(
     seed_base: int | None = None,
     lockstep: EngineCall = nullcontext,
 ) -> tuple[RolloutBatch | None, RolloutStats]:
-    """The step's scored batch. With dynamic sampling, only groups with differing rewards are kept and
-    up to `max_refill_rounds` extra rollouts refill the batch to `num_prompts` groups; fewer may be
-    returned, and None when no group is left.
+    """The step's scored batch. With dynamic sampling, only groups whose task rewards differ are kept
+    (correctness, not the length-shaped reward: see zero_variance_groups) and up to `max_refill_rounds`
+    extra rollouts refill the batch to `num_prompts` groups; fewer may be returned, and None when no
+    group is left.
 
     Data-parallel: every rank draws the same `num_prompts` prompts and `shard` keeps this rank's (whole
     groups: a prompt's samples stay on one rank). `seed_base`: the prompt at place p of the step's draws
@@ -385,7 +397,7 @@ def collect_rollout(
         return batch
 
     batch = one_round(num_prompts)
-    zero_var = zero_variance_groups(batch.rewards, params.n)
+    zero_var = zero_variance_groups(batch)
     stats.zero_variance_frac = float(zero_var.float().mean())
     if not dynamic_sampling:
         return batch, stats
@@ -411,7 +423,7 @@ def collect_rollout(
         stats.refill_rounds += 1
         stats.extra_prompts += n
         extra = one_round(n)
-        keep(extra, zero_variance_groups(extra.rewards, params.n))
+        keep(extra, zero_variance_groups(extra))
     kept = [b for b in kept if b.num_groups]
     merged = concat_batches(kept) if kept else None
     if shard is None:

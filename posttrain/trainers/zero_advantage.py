@@ -8,8 +8,9 @@ groups are like that (the demo's `zero_variance_frac` sits at 0.6-0.9 after its 
 
 Skipping them changes nothing else: the loss normalisers (tokens / sequences of the minibatch) are
 still counted over every sample, micro-batch and minibatch boundaries stay where they were, so the
-gradient equals the unskipped one up to summation order. Only the diagnostics computed inside the
-update (entropy, clip fractions, trainer-engine mismatch) then cover the samples that train.
+gradient equals the unskipped one up to summation order, and so do the logged losses (`loss`,
+`loss/policy`: sums of micro-batch terms, to which a skipped group adds 0). Only the diagnostics computed
+inside the update (entropy, clip fractions, trainer-engine mismatch) then cover the samples that train.
 
 Under torchrun a micro-batch is never dropped whole (it keeps its first group): every rank must run
 the same number of forward / backward passes for the collectives to line up.

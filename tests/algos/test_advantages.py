@@ -56,9 +56,13 @@ def test_grpo_matches_loop_with_unscorable(scale: bool) -> None:
     torch.testing.assert_close(got, torch.tensor(want), atol=1e-6, rtol=1e-6)
 
 
-def test_dr_grpo_is_grpo_without_std() -> None:
-    r = torch.tensor(REWARDS)
-    torch.testing.assert_close(dr_grpo_advantages(r, 4), grpo_advantages(r, 4, scale_by_std=False))
+def test_dr_grpo_matches_loop_with_unscorable() -> None:
+    # A_i = r_i - mean of the group's scorable rewards (no std); unscorable rows and groups with < 2 scorable get 0
+    got = dr_grpo_advantages(torch.tensor(REWARDS), 4)
+    want = reference_grpo(REWARDS, 4, scale=False, eps=0.0)
+    torch.testing.assert_close(got, torch.tensor(want), atol=1e-6, rtol=1e-6)
+    # the first two groups by hand: means 0.4375 and 2.0 (over the three scorable rewards)
+    assert got[:8].tolist() == [0.5625, -0.4375, 0.0625, -0.1875, 1.0, 0.0, -1.0, 0.0]
 
 
 def test_rloo_matches_loop_with_unscorable() -> None:

@@ -149,7 +149,7 @@ def _kto_trainer(beta: float, desirable_weight: float, undesirable_weight: float
     return trainer
 
 
-@pytest.mark.parametrize("kl_shift", [0.0, -25.0])  # z0 > 0, and z0 clamped to 0
+@pytest.mark.parametrize("kl_shift", [0.0, 25.0])  # z0 > 0, and z0 clamped to 0 (the reference's KL logps above)
 def test_kto_matches_trl_kto_trainer(kl_shift: float) -> None:
     rows = 7
     model = TokenTableModel(_table(8))
@@ -160,6 +160,8 @@ def test_kto_matches_trl_kto_trainer(kl_shift: float) -> None:
     ref_logps = -torch.rand(rows, generator=gen, dtype=torch.float64) * 20
     policy_kl, _ = _sums_and_lengths(model, kl_batch)
     ref_kl = policy_kl - 0.3 * torch.rand(rows, generator=gen, dtype=torch.float64) + kl_shift
+    raw_z0 = (policy_kl - ref_kl).mean()  # in (0, 0.3) unshifted, about -25 shifted: the clamp's two sides
+    assert (raw_z0 > 0) if kl_shift == 0 else (raw_z0 < -20)
     inputs = dict(
         batch, label=desirable, ref_logps=ref_logps, ref_KL_logps=ref_kl,
         KL_input_ids=kl_batch["input_ids"], KL_attention_mask=kl_batch["attention_mask"],
@@ -174,6 +176,7 @@ def test_kto_matches_trl_kto_trainer(kl_shift: float) -> None:
         beta=0.2, desirable_weight=1.0, undesirable_weight=1.5,
     )
     torch.testing.assert_close(loss, trl_loss, **TOL)
+    assert metrics["kl"].item() == max(raw_z0.item(), 0.0)
     logged = trainer._metrics["train"]
     for key in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert metrics[key].item() == pytest.approx(logged[key][-1], abs=1e-6), key

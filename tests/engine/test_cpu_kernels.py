@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +174,31 @@ def test_build_is_cached_per_source(fresh_library) -> None:
     mtime = built[0].stat().st_mtime_ns
     assert cpu_kernels.library() is not None
     assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
+
+
+def _openmp_compiler(workdir: Path) -> str | None:
+    """The compiler the build would use (CC, cc, gcc), if it can make an OpenMP shared library at all."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    probe = workdir / "probe.c"
+    probe.write_text("#include <omp.h>\nint probe(void) { return omp_get_max_threads(); }\n")
+    done = subprocess.run([compiler, "-fopenmp", "-shared", "-fPIC", str(probe), "-o", str(workdir / "probe.so")],
+                          capture_output=True, text=True, timeout=120)
+    return compiler if done.returncode == 0 else None
+
+
+def test_the_kernels_build_wherever_a_c_compiler_with_openmp_is_present(monkeypatch: pytest.MonkeyPatch,
+                                                                        fresh_library) -> None:
+    """The kernel tests skip when library() is None, so a kernel source that stops compiling would turn
+    them into silent skips. Where the compiler builds a trivial OpenMP library, the kernels must build
+    (a failure raises KernelBuildError with the compiler's message) and export every function."""
+    workdir = fresh_library / "probe"
+    workdir.mkdir()
+    if _openmp_compiler(workdir) is None:
+        pytest.skip("no C compiler that builds an OpenMP shared library here")
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
+    lib = ctypes.CDLL(str(cpu_kernels._build()))
+    missing = [name for name in cpu_kernels.SIGNATURES if not hasattr(lib, name)]
+    assert not missing, f"the built kernels do not export {missing}"
+    assert cpu_kernels.library() is not None
