@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per line in `<run>/metrics.jsonl`, optionally TensorBoard too.
+"""Training metrics: one JSON object per line in `<run>/metrics.jsonl`, and the same records to the
+experiment trackers of `log.report_to` (TensorBoard, W&B, Trackio, MLflow: `posttrain.trackers`).
 
 Each record is `{"step": int, "time": unix seconds, **metrics}`. The file is opened for append
 (a resumed run continues it) and flushed after every line, so a crashed process loses nothing
@@ -15,24 +16,42 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import PosttrainError
+from posttrain.trackers import close_all, open_trackers, resolve_report_to
+from posttrain.trackers.tensorboard_tracker import TENSORBOARD_DIR  # noqa: F401 (this module's name before)
 
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+DEFAULT_PROJECT = "posttrain"
 RESERVED_KEYS = ("step", "time")
 _NON_FINITE_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 class MetricsLogger:
-    """Appends metric records to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard if asked."""
+    """Appends metric records to `<run_dir>/metrics.jsonl` and sends each to the trackers in `report_to`.
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
-        self.path = Path(run_dir) / METRICS_FILE
-        self._tensorboard = _open_tensorboard(Path(run_dir) / TENSORBOARD_DIR) if tensorboard else None
-        self._file = open(self.path, "a", encoding="utf-8")
+    The trackers' run is named after the run directory and gets `config` (the resolved config, as in
+    config.yaml); `project` is the W&B / Trackio project and the MLflow experiment. `tensorboard=True` is
+    the older spelling of `report_to=["tensorboard"]`."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False, *,
+                 report_to: Sequence[str] | str | None = (), config: Mapping[str, Any] | None = None,
+                 project: str = DEFAULT_PROJECT):
+        run_dir = Path(run_dir)
+        self.path = run_dir / METRICS_FILE
+        try:
+            names = resolve_report_to(report_to, tensorboard)
+        except ValueError as e:
+            raise PosttrainError(f"log.{e}") from None
+        self._trackers = open_trackers(names, project, run_dir.resolve().name, dict(config or {}), run_dir)
+        try:
+            self._file = open(self.path, "a", encoding="utf-8")
+        except BaseException:
+            close_all(self._trackers)
+            raise
 
     def log(self, step: int, metrics: dict[str, float | int | str]) -> None:
         if self._file is None:
@@ -49,18 +68,18 @@ class MetricsLogger:
         # One write per record: a crash can cut at most the last line, which read_metrics skips.
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key not in RESERVED_KEYS and _is_number(value):
-                    self._tensorboard.add_scalar(key, float(_from_json_value(value)), step)
+        if self._trackers:
+            # What the file holds, read back as read_metrics does: "nan" / "inf" are floats again.
+            values = {key: _from_json_value(value) for key, value in record.items() if key not in RESERVED_KEYS}
+            for tracker in self._trackers:
+                tracker.log(values, step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        trackers, self._trackers = self._trackers, []
+        close_all(trackers)
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -106,17 +125,6 @@ def read_metrics(path: str | Path, notes: list[str] | None = None) -> list[dict[
     return records
 
 
-def _open_tensorboard(log_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise PosttrainError(
-            "tensorboard logging was asked for but the tensorboard package is not installed "
-            "(pip install tensorboard)"
-        ) from None
-    return SummaryWriter(log_dir=str(log_dir))
-
-
 def _to_json_value(key: str, value: Any) -> Any:
     # Tensors and numpy scalars both have .item(); only single values make sense as a metric.
     if hasattr(value, "item") and callable(value.item) and not isinstance(value, (int, float, str)):
@@ -138,9 +146,3 @@ def _from_json_value(value: Any) -> Any:
     if isinstance(value, str) and value in _NON_FINITE_TEXT:
         return _NON_FINITE_TEXT[value]
     return value
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, (int, float)) or (isinstance(value, str) and value in _NON_FINITE_TEXT)

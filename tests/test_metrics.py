@@ -1,4 +1,5 @@
-"""posttrain.metrics: metrics.jsonl records, non-finite values, crash tolerance, TensorBoard."""
+"""posttrain.metrics: metrics.jsonl records, non-finite values, crash tolerance, TensorBoard (the other trackers:
+tests/trackers)."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def test_read_metrics_reports_a_corrupt_line_with_its_number(tmp_path):
 def test_tensorboard_missing_is_a_clear_error(tmp_path, monkeypatch):
     # None in sys.modules makes the import fail, as on a machine without tensorboard installed.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(PosttrainError, match=r"pip install tensorboard"):
+    with pytest.raises(PosttrainError, match=r"the tensorboard package is not installed: pip install 'posttrain\[tensorboard\]'"):
         MetricsLogger(tmp_path, tensorboard=True)
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -137,12 +138,13 @@ class FakeSummaryWriter:
         self.closed = True
 
 
-def test_tensorboard_gets_numeric_scalars_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", [{"tensorboard": True}, {"report_to": ["tensorboard"]}, {"report_to": "tensorboard"}])
+def test_tensorboard_gets_numeric_scalars_only(tmp_path, monkeypatch, how):
     fake_module = types.ModuleType("torch.utils.tensorboard")
     fake_module.SummaryWriter = FakeSummaryWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_module)
     FakeSummaryWriter.instances.clear()
-    with MetricsLogger(tmp_path, tensorboard=True) as logger:
+    with MetricsLogger(tmp_path, **how) as logger:
         logger.log(3, {"loss": 1.5, "tokens": 10, "phase": "rl", "flag": True, "bad": float("inf")})
     writer = FakeSummaryWriter.instances[0]
     assert writer.log_dir == str(tmp_path / "tensorboard")

@@ -54,7 +54,7 @@ from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.rollout import EngineCall, prompt_seed_base
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
-from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
@@ -82,6 +82,7 @@ class DistillConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
     train: TrainSection = field(default_factory=TrainSection)
+    log: LogSection = field(default_factory=LogSection)  # trackers besides metrics.jsonl: docs/tracking.md
     loss: str = "forward_kl"  # one of DISTILL_LOSSES: forward_kl reverse_kl jsd
     beta: float = 0.5  # jsd only: weight of the teacher in the mixture (0: forward KL, 1: reverse KL)
     temperature: float = 1.0  # softmax temperature of both models in the divergence
@@ -297,7 +298,7 @@ def train_distill(cfg: DistillConfig) -> Path:
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     wrapped = parallel if parallel.wrapped is not None else None
     eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id, wrapped)) if eval_rows else None
-    with main_metrics(run_dir) as metrics:
+    with main_metrics(run_dir, cfg) as metrics:
         if eval_fn is not None and start_step == 0:
             before = eval_fn()
             if metrics is not None:

@@ -3,7 +3,7 @@ device, write files from rank 0 only, save the final model from whole weights.
 
     ctx, model_section = join_processes(cfg.dist, cfg.model)   before loading the model
     parallel = Parallel(model, cfg.dist, ctx)                  before building the optimizer
-    with main_metrics(run_dir) as metrics: ...                 a MetricsLogger on rank 0, None elsewhere
+    with main_metrics(run_dir, cfg) as metrics: ...            a MetricsLogger on rank 0 (with cfg.log's trackers)
     save_final_parallel(parallel, tokenizer, run_dir, base)    final/ (one HF directory, from rank 0)
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import config_to_dict
 from posttrain.cpu_malloc import set_malloc_policy
 from posttrain.dist.config import DistSection
 from posttrain.dist.env import DistContext, barrier, init_distributed, is_main
@@ -41,13 +42,21 @@ def join_processes(dist: DistSection, model: ModelSection) -> tuple[DistContext,
     return ctx, model
 
 
+def open_metrics(run_dir: Path, cfg: Any) -> MetricsLogger:
+    """The run's MetricsLogger: metrics.jsonl and the trackers of `cfg.log`, which get the run's name and its
+    config as config.yaml holds it (without `resume`, which says how this process started, not the run)."""
+    log = cfg.log
+    config = config_to_dict(dataclasses.replace(cfg, resume=None))
+    return MetricsLogger(run_dir, report_to=log.trackers(), config=config, project=log.project)
+
+
 @contextlib.contextmanager
-def main_metrics(run_dir: Path) -> Iterator[MetricsLogger | None]:
-    """A MetricsLogger on rank 0 (the metrics it logs are already reduced over the ranks), None elsewhere."""
+def main_metrics(run_dir: Path, cfg: Any) -> Iterator[MetricsLogger | None]:
+    """`open_metrics` on rank 0 (the metrics it logs are already reduced over the ranks), None elsewhere."""
     if not is_main():
         yield None
         return
-    with MetricsLogger(run_dir) as metrics:
+    with open_metrics(run_dir, cfg) as metrics:
         yield metrics
 
 

@@ -68,7 +68,7 @@ from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_row
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
-from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 from posttrain.trainers.unpaired_data import is_unpaired, load_unpaired
@@ -88,6 +88,7 @@ class DPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-7, warmup_ratio=0.1))
     train: TrainSection = field(default_factory=TrainSection)
+    log: LogSection = field(default_factory=LogSection)  # trackers besides metrics.jsonl: docs/tracking.md
     loss: str = "sigmoid"  # one of PREFERENCE_LOSSES: sigmoid cdpo robust hinge ipo simpo orpo kto
     reference: Literal["precompute", "live"] = "precompute"  # ignored by simpo / orpo
     # Loss options; null: the loss function's own default. Each is only accepted by the losses that take it.
@@ -460,7 +461,7 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
                                 parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = run.evaluate if data.eval else None
-    with main_metrics(run_dir) as metrics:
+    with main_metrics(run_dir, cfg) as metrics:
         if eval_fn is not None and start_step == 0:
             before = eval_fn()  # every rank evaluates all held-out pairs: the same forwards, the same figures
             if metrics is not None:

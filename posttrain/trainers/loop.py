@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
-from tqdm.auto import tqdm
 
 from posttrain.metrics import MetricsLogger
+from posttrain.trainers.progress import StepProgress
 
 T = TypeVar("T")
 
@@ -116,7 +116,7 @@ def run_steps(
     does not return is left out), e.g. DPO's pairwise accuracy and margin next to the loss.
     """
     record: dict[str, float] = {}
-    bar = tqdm(total=max_steps, initial=start_step, desc=desc, disable=not progress, dynamic_ncols=True)
+    bar = StepProgress(max_steps, enabled=progress, desc=desc, start_step=start_step)
     try:
         for step in range(start_step, max_steps):
             lr = optimizer.param_groups[0]["lr"]
@@ -131,8 +131,8 @@ def run_steps(
                 metrics.log(done, record)
             shown = {"loss": f"{out['loss']:.4f}"}
             shown.update({label: f"{float(out[key]):.3g}" for label, key in (postfix or {}).items() if key in out})
-            bar.set_postfix(**shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            bar.update(1)
+            bar.set_postfix(**shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.step_done(done)
             if save_fn is not None and save_every and done % save_every == 0 and done != max_steps:
                 save_fn(done)
     finally:

@@ -47,7 +47,7 @@ from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.preference_data import PairRow, load_pairs
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
-from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
@@ -60,6 +60,7 @@ class RMConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_ratio=0.05))
     train: TrainSection = field(default_factory=TrainSection)
+    log: LogSection = field(default_factory=LogSection)  # trackers besides metrics.jsonl: docs/tracking.md
     center_rewards_coefficient: float = 0.0  # > 0: add c * mean((r_w + r_l)^2)
     lora: LoraConfig | None = None  # train LoRA adapters on the trunk (the score head always trains in full)
     quant: str | None = None  # QLoRA: quantize the frozen trunk (int8, int4-g64, ...) under the adapters; needs lora
@@ -201,7 +202,7 @@ def train_reward_model(cfg: RMConfig) -> Path:
                                 parallel=parallel)
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id, through)) if data.eval else None
-    with main_metrics(run_dir) as metrics:
+    with main_metrics(run_dir, cfg) as metrics:
         if eval_fn is not None and start_step == 0:
             before = eval_fn()  # every rank scores all held-out pairs: the same figures everywhere
             if metrics is not None:

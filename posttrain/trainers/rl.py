@@ -46,7 +46,8 @@ from posttrain.trainers.adapters import save_final_dir
 from posttrain.trainers.distributed import save_final_parallel
 from posttrain.trainers.ppo import ppo_advantages, save_value_head, whiten_over_ranks
 from posttrain.trainers.rl_config import GRPOConfig, PPOConfig, RLConfig, batch_sizes
-from posttrain.trainers.rl_metrics import StepTimer, batch_metrics, headline, peak_memory_gb, progress_bar
+from posttrain.trainers.progress import StepProgress
+from posttrain.trainers.rl_metrics import StepTimer, batch_metrics, headline, peak_memory_gb
 from posttrain.trainers.rl_run import RLRun, setup_run
 from posttrain.trainers.rl_update import StepBatch, prepare_batch, scoring_pass, update_policy
 from posttrain.trainers.rollout import collect_rollout, evaluate, prompt_seed_base
@@ -225,8 +226,9 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
     started = time.perf_counter()
     run = setup_run(cfg, command, model=model, tokenizer=tokenizer)
     budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes is not None else math.inf
-    bar = progress_bar(cfg.train.max_steps, cfg.log.progress and is_main(), f"{command} ({run.algo.name})")
-    bar.update(run.start_step)
+    # Drawn against whichever ends the run first: max_steps, or the time budget at the pace of the steps so far.
+    bar = StepProgress(cfg.train.max_steps, budget_s=budget_s, enabled=cfg.log.progress and is_main(),
+                       desc=f"{command} ({run.algo.name})", start_step=run.start_step, started=started)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
     try:
         eval_s = 0.0
@@ -236,13 +238,19 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             if run.logger is not None:
                 run.logger.log(0, before)
             summary["accuracy_before"] = before["eval/accuracy"]
+        # What the budget keeps after the last step: the final evaluation (as long as the first, and a margin) and
+        # the save. The bar projects the steps into the rest; its pace counts the steps (and their evaluations),
+        # not the evaluation before them.
+        reserve_s = eval_s * 1.2 + 10
+        bar.reserve_s = reserve_s
+        bar.mark_start()
         step_times: list[float] = []
         step = run.start_step
         for step in range(run.start_step + 1, cfg.train.max_steps + 1):
             elapsed = time.perf_counter() - started
             next_step = max(step_times[-3:]) if step_times else 0.0
             # the step, the final eval and the save fit; rank 0's clock decides for every rank
-            if broadcast_object(elapsed + next_step + eval_s * 1.2 + 10 > budget_s):
+            if broadcast_object(elapsed + next_step + reserve_s > budget_s):
                 bar.write(f"time budget of {cfg.train.max_minutes} min reached after {step - 1} steps")
                 step -= 1
                 break
@@ -254,8 +262,8 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             if run.logger is not None:
                 run.logger.log(step, metrics)
             run.history.append(metrics)
-            bar.set_postfix_str(headline(metrics), refresh=False)
-            bar.update(1)
+            bar.set_postfix_str(headline(metrics))
+            bar.step_done(step)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
                 run.checkpointer.save(step)
         summary["steps"] = step

@@ -23,7 +23,7 @@ from posttrain.engine.config import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.peft import LoraConfig
 from posttrain.trainers.adapters import check_adapter_options
-from posttrain.trainers.sections import ModelSection, OptimSection
+from posttrain.trainers.sections import LogSection, ModelSection, OptimSection
 
 # ----------------------------------------------------------------------------- algorithm presets
 
@@ -261,9 +261,10 @@ class EvalSection:
 
 
 @dataclass
-class LogSection:
-    progress: bool = True  # a tqdm bar with the step's headline metrics
-    tensorboard: bool = False
+class RLLogSection(LogSection):
+    """The shared `log` section (report_to, project, tensorboard) and the RL loop's progress bar switch."""
+
+    progress: bool = True  # a tqdm bar with the step's headline metrics, against the bound that ends the run
 
 
 # ----------------------------------------------------------------------------- the two configs
@@ -284,7 +285,7 @@ class GRPOConfig:
     kl: KLSection = field(default_factory=KLSection)
     dapo: DAPOSection = field(default_factory=DAPOSection)
     eval: EvalSection = field(default_factory=EvalSection)
-    log: LogSection = field(default_factory=LogSection)
+    log: RLLogSection = field(default_factory=RLLogSection)
     lora: LoraConfig | None = None  # train LoRA adapters; the KL reference is then the base (adapters off)
     quant: str | None = None  # QLoRA: quantize the frozen base (int8, int4-g64, ...) under the adapters; needs lora
     out: str | None = None  # run directory; None: runs/grpo-<timestamp>
@@ -313,7 +314,7 @@ class PPOConfig:
     dapo: DAPOSection = field(default_factory=DAPOSection)
     ppo: PPOSection = field(default_factory=PPOSection)
     eval: EvalSection = field(default_factory=EvalSection)
-    log: LogSection = field(default_factory=LogSection)
+    log: RLLogSection = field(default_factory=RLLogSection)
     lora: LoraConfig | None = None
     quant: str | None = None  # QLoRA, as in GRPOConfig
     out: str | None = None

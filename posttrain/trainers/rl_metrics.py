@@ -77,12 +77,6 @@ def nan_stats(values: torch.Tensor, prefix: str) -> dict[str, float]:
     return {f"{prefix}/mean": float(finite.mean()), f"{prefix}/std": std}
 
 
-def progress_bar(total: int, enabled: bool, desc: str) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not enabled)
-
-
 def headline(metrics: dict[str, Any]) -> str:
     """The few numbers the progress bar shows."""
     parts = []

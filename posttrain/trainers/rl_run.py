@@ -20,7 +20,7 @@ from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.rewards import RewardSpec
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
-from posttrain.trainers.distributed import join_processes
+from posttrain.trainers.distributed import join_processes, open_metrics
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
 from posttrain.trainers.ppo import ValueHead, save_value_head
@@ -159,7 +159,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     overlong = None
     if algo.overlong_penalty:
         overlong = OverlongShaping(cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard) if is_main() else None
+    logger = open_metrics(run_dir, cfg) if is_main() else None
     run = RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
                 optimizer, scheduler, trainable, logger, value_head, reference,
                 guard=BadStepGuard(cfg.train.max_bad_steps), parallel=parallel)

@@ -5,10 +5,11 @@ A trainer's config is a dataclass built from these plus its own sections (see `S
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from posttrain.models.hub import DEFAULT_MODEL
+from posttrain.trackers import check_installed, resolve_report_to
 from posttrain.trainers.schedule import SCHEDULES
 
 
@@ -85,3 +86,25 @@ class TrainSection:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 or null, got {self.keep_checkpoints}")
+
+
+@dataclass
+class LogSection:
+    """Where the metrics go besides `<run>/metrics.jsonl` (docs/tracking.md)."""
+
+    # Experiment trackers, any of: tensorboard wandb trackio mlflow. One name alone is a list of one; none: no tracker.
+    report_to: list[str] | str | None = field(default_factory=list)
+    project: str = "posttrain"  # the W&B / Trackio project and the MLflow experiment
+    tensorboard: bool = False  # the older switch: true adds tensorboard to report_to
+
+    def trackers(self) -> list[str]:
+        """The tracker names of `report_to` (with `tensorboard`), in order, each once."""
+        return resolve_report_to(self.report_to, self.tensorboard)
+
+    def validate(self) -> None:
+        # A missing library fails here, on load, before any compute.
+        check_installed(resolve_report_to(self.report_to))
+        if self.tensorboard:
+            check_installed(["tensorboard"], asked_by="log.tensorboard is true")
+        if not self.project.strip():
+            raise ValueError("project must not be empty")

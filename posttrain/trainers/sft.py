@@ -46,7 +46,7 @@ from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, st
 from posttrain.trainers.optim import build_optimizer, optimizer_step
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
-from posttrain.trainers.sections import ModelSection, OptimSection, TrainSection
+from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 
@@ -82,6 +82,7 @@ class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: OptimSection = field(default_factory=OptimSection)
     train: SFTTrainSection = field(default_factory=SFTTrainSection)
+    log: LogSection = field(default_factory=LogSection)  # trackers besides metrics.jsonl: docs/tracking.md
     lora: LoraConfig | None = None  # train LoRA adapters only; final/ is then the PEFT adapter
     quant: str | None = None  # QLoRA: quantize the frozen base (int8, int4-g64, ...) under the adapters; needs lora
     qat: str | None = None  # quantization-aware training toward this scheme; final/ is the quantized model
@@ -265,7 +266,7 @@ def train_sft(cfg: SFTConfig) -> Path:
     model with `qat`)."""
     session = start_sft(cfg)
     train_cfg = cfg.train
-    with main_metrics(session.run_dir) as metrics:
+    with main_metrics(session.run_dir, cfg) as metrics:
         run_steps(
             session.step, max_steps=session.max_steps, optimizer=session.optimizer, metrics=metrics,
             log_every=train_cfg.log_every, save_every=train_cfg.save_every, eval_every=train_cfg.eval_every,
