@@ -38,10 +38,10 @@ from torch.distributed.tensor import DTensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from posttrain.dist.config import DistSection  # noqa: E402
-from posttrain.dist.env import all_gather_objects, init_distributed  # noqa: E402
-from posttrain.dist.lockstep import Lockstep  # noqa: E402
-from posttrain.dist.parallel import Parallel  # noqa: E402
+from posttrain.distributed.config import DistSection  # noqa: E402
+from posttrain.distributed.env import all_gather_objects, init_distributed  # noqa: E402
+from posttrain.distributed.lockstep import Lockstep  # noqa: E402
+from posttrain.distributed.parallel import Parallel  # noqa: E402
 from posttrain.engine import LLM, SamplingParams  # noqa: E402
 from posttrain.models.hub import load_model  # noqa: E402
 

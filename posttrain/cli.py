@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = unknown + args.argv
     try:
         if hasattr(args, "nproc"):  # a trainer with a dist: section
-            from posttrain.dist.launch import relaunch, split_nproc
+            from posttrain.distributed.launch import relaunch, split_nproc
 
             nproc, args.argv = split_nproc(args.argv)  # `--nproc` after the config lands among the overrides
             nproc = args.nproc if nproc is None else nproc

@@ -6,8 +6,8 @@ equal to that of one big batch, whatever the split. Averaging per-micro-batch me
 weight a short micro-batch's tokens more than a long one's.
 
 Data-parallel: each rank passes its own share of the micro-batches and the GLOBAL denominator (the count
-over every rank, `posttrain.dist.all_reduce_count`); `parallel` then reduces the gradients once, on the
-last micro-batch, and its `loss_scale` undoes the ranks' averaging (see `posttrain.dist.parallel`).
+over every rank, `posttrain.distributed.all_reduce_count`); `parallel` then reduces the gradients once, on the
+last micro-batch, and its `loss_scale` undoes the ranks' averaging (see `posttrain.distributed.parallel`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from posttrain.dist.parallel import Parallel
+    from posttrain.distributed.parallel import Parallel
 
 T = TypeVar("T")
 

@@ -40,9 +40,9 @@ from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import PosttrainError
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import all_reduce_count, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.distributed.parallel import Parallel
 from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig

@@ -19,9 +19,9 @@ import torch
 
 from posttrain.config import config_to_dict
 from posttrain.cpu_malloc import set_malloc_policy
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import DistContext, barrier, init_distributed, is_main
-from posttrain.dist.parallel import Parallel
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import DistContext, barrier, init_distributed, is_main
+from posttrain.distributed.parallel import Parallel
 from posttrain.errors import ConfigError
 from posttrain.metrics import MetricsLogger
 from posttrain.run_dir import final_dir

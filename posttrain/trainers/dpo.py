@@ -49,9 +49,9 @@ from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import all_gather_rows, all_reduce_count, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel, run_module
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import all_gather_rows, all_reduce_count, is_main, reduce_metrics
+from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig, disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients

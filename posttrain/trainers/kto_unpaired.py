@@ -31,8 +31,8 @@ import torch
 from posttrain.algos.preference import kto_loss
 from posttrain.data.collate import collate
 from posttrain.data.tokenize import TokenizedRow
-from posttrain.dist.env import all_gather_rows, all_reduce_count, reduce_metrics
-from posttrain.dist.parallel import run_module
+from posttrain.distributed.env import all_gather_rows, all_reduce_count, reduce_metrics
+from posttrain.distributed.parallel import run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
@@ -42,7 +42,7 @@ from posttrain.trainers.loop import BatchStream, batch_stream
 from posttrain.trainers.unpaired_data import KTOSplit, UnpairedData, check_weights
 
 if TYPE_CHECKING:
-    from posttrain.dist.parallel import Parallel
+    from posttrain.distributed.parallel import Parallel
     from posttrain.trainers.dpo import DPOConfig
 
 T = TypeVar("T")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, masked_whiten
-from posttrain.dist.env import all_reduce_sum
+from posttrain.distributed.env import all_reduce_sum
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 

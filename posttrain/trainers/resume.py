@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.dist.env import broadcast_object, is_main
+from posttrain.distributed.env import broadcast_object, is_main
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.metrics import METRICS_FILE
 from posttrain.run_dir import CONFIG_FILE, make_run_dir

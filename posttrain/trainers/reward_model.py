@@ -33,9 +33,9 @@ from posttrain.data.config import DataConfig
 from posttrain.data.formats import Preference
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError, RowError
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import all_reduce_count, barrier, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel, run_module
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import all_reduce_count, barrier, is_main, reduce_metrics
+from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import encode_for_scoring, save_score_head

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
-from posttrain.dist.env import barrier, broadcast_object, is_main, reduce_metrics
-from posttrain.dist.lockstep import Lockstep
+from posttrain.distributed.env import barrier, broadcast_object, is_main, reduce_metrics
+from posttrain.distributed.lockstep import Lockstep
 from posttrain.errors import PosttrainError
 from posttrain.trainers.adapters import save_final_dir
 from posttrain.trainers.distributed import save_final_parallel

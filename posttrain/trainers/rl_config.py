@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from posttrain.dist.config import DistSection
+from posttrain.distributed.config import DistSection
 from posttrain.engine.config import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.peft import LoraConfig

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.dist.env import is_main
-from posttrain.dist.parallel import Parallel, run_module
+from posttrain.distributed.env import is_main
+from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, masked_mean, value_loss
-from posttrain.dist.env import all_reduce_sum, reduce_metrics
+from posttrain.distributed.env import all_reduce_sum, reduce_metrics
 from posttrain.models.moe import moe_blocks, router_loss_and_metrics
 from posttrain.trainers.optim import optimizer_step
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups
@@ -176,7 +176,7 @@ def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tens
                     if router_loss is not None:
                         loss = loss + router_loss * _share("token-mean", mask, totals)
                     metrics.update(router_metrics)
-                    (loss * scale if scale != 1.0 else loss).backward()  # scale: see posttrain.dist.parallel
+                    (loss * scale if scale != 1.0 else loss).backward()  # scale: see posttrain.distributed.parallel
                     sums["loss"] += float(loss.detach())
                     tokens += pack.num_input_tokens
                     means.add(metrics, float(mask.sum()))  # diagnostics: over the samples that trained

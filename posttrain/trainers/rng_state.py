@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from posttrain.dist.env import all_gather_objects
+from posttrain.distributed.env import all_gather_objects
 from posttrain.errors import CheckpointError
 
 logger = logging.getLogger("posttrain.trainers")

@@ -26,7 +26,7 @@ import torch
 
 from posttrain.algos import dapo_dynamic_sampling_mask, soft_overlong_penalty
 from posttrain.data.readers import read_json_rows
-from posttrain.dist.env import all_gather_objects
+from posttrain.distributed.env import all_gather_objects
 from posttrain.engine import LLM, SamplingParams
 from posttrain.errors import PosttrainError
 from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, compute_rewards, load_reward

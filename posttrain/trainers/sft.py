@@ -33,9 +33,9 @@ from posttrain.data.dataset import build_sft_rows, split_holdout
 from posttrain.data.packing import PackedRow, pack_best_fit
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import all_reduce_count, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.distributed.parallel import Parallel
 from posttrain.models.moe import add_router_loss
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig

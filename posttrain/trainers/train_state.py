@@ -33,9 +33,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from posttrain.dist.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
-from posttrain.dist.env import barrier, is_main
-from posttrain.dist.parallel import Parallel
+from posttrain.distributed.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from posttrain.distributed.env import barrier, is_main
+from posttrain.distributed.parallel import Parallel
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import hf_to_ours, read_our_tensors
 from posttrain.peft import active_adapter, load_lora_state_dict

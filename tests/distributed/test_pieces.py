@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from posttrain.config import load_config
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import DistContext, all_reduce_count, init_distributed, reduce_metrics
-from posttrain.dist.launch import split_nproc, torchrun_command, without_nproc
-from posttrain.dist.parallel import Parallel
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import DistContext, all_reduce_count, init_distributed, reduce_metrics
+from posttrain.distributed.launch import split_nproc, torchrun_command, without_nproc
+from posttrain.distributed.parallel import Parallel
 from posttrain.errors import ConfigError
 from posttrain.trainers.sft import SFTConfig
 from tests.data.tiny import tiny_model

@@ -24,13 +24,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import DistContext
-from posttrain.dist.export import meta_skeleton, whole_copy
-from posttrain.dist.lockstep import Lockstep
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import DistContext
+from posttrain.distributed.export import meta_skeleton, whole_copy
+from posttrain.distributed.lockstep import Lockstep
 from posttrain.errors import ConfigError
 
-logger = logging.getLogger("posttrain.dist")
+logger = logging.getLogger("posttrain.distributed")
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from posttrain.dist.env import launched_by_torchrun
+from posttrain.distributed.env import launched_by_torchrun
 from posttrain.errors import ConfigError
 
 

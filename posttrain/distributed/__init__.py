@@ -4,9 +4,9 @@ See docs/distributed.md. Trainers use `Parallel` (the wrapped model), the collec
 `checkpoint` / `export` through `posttrain.trainers.train_state` and `posttrain.trainers.distributed`.
 """
 
-from posttrain.dist.config import DistSection
-from posttrain.dist.env import DistContext, all_reduce_count, barrier, init_distributed, is_main, reduce_metrics
-from posttrain.dist.parallel import Parallel
+from posttrain.distributed.config import DistSection
+from posttrain.distributed.env import DistContext, all_reduce_count, barrier, init_distributed, is_main, reduce_metrics
+from posttrain.distributed.parallel import Parallel
 
 __all__ = ["DistContext", "DistSection", "Parallel", "all_reduce_count", "barrier", "init_distributed", "is_main",
            "reduce_metrics"]
