@@ -81,7 +81,7 @@ def test_hold_scope_gives_back_what_it_kept_and_restores_release() -> None:
 def test_trainers_set_release_on_cpu_unless_told_to_keep() -> None:
     body = """
         from posttrain.distributed.config import DistSection
-        from posttrain.trainers.distributed import join_processes
+        from posttrain.distributed.processes import join_processes
         from posttrain.trainers.sections import ModelSection
         join_processes(DistSection(), ModelSection(device="cpu", cpu_memory={choice!r}))
         out["policy"] = current_malloc_policy()

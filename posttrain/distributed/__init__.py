@@ -1,7 +1,8 @@
 """Data parallelism on torch.distributed (torchrun): DDP or FSDP2, sharded checkpoints, `--nproc`.
 
-See docs/distributed.md. Trainers use `Parallel` (the wrapped model), the collectives of `env`, and
-`checkpoint` / `export` through `posttrain.trainers.train_state` and `posttrain.trainers.distributed`.
+See docs/distributed.md. Trainers use `Parallel` (the wrapped model), the collectives of `env`, what a
+rank does under torchrun through `processes` (join, rank-0 metrics and final writes), and `checkpoint`
+through `posttrain.trainers.train_state`. Nothing here imports a trainer.
 """
 
 from posttrain.distributed.config import DistSection

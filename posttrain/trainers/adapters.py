@@ -12,6 +12,7 @@ Every trainer config carries the same optional keys, and every trainer calls the
     save_trained(model, tokenizer, path, ...)                  what a checkpoint holds of the model
                                                                (train_state.Checkpointer calls it)
     save_final_dir(model, tokenizer, run_dir, ...)             <run>/final
+    save_final_parallel(parallel, tokenizer, run_dir, ...)     <run>/final from the whole weights, by rank 0
 
 What a save writes follows from what the model holds, so a trainer never branches on it:
 - LoRA layers (LoRA and QLoRA): the PEFT adapter (adapter_config.json + adapter_model.safetensors) and
@@ -30,6 +31,8 @@ from typing import Any
 
 from torch import nn
 
+from posttrain.distributed.parallel import Parallel
+from posttrain.distributed.processes import write_from_main
 from posttrain.errors import ConfigError
 from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.models.hub import load_model
@@ -148,3 +151,10 @@ def save_trained(model: nn.Module, tokenizer: Any, out: str | Path, *, base_mode
 def save_final_dir(model: nn.Module, tokenizer: Any, run_dir: str | Path, *, base_model: str) -> Path:
     """<run>/final: the adapter (LoRA, QLoRA), the quantized export (QAT) or the HF directory."""
     return save_trained(model, tokenizer, final_dir(run_dir), base_model=base_model, export=True)
+
+
+def save_final_parallel(parallel: Parallel, tokenizer: Any, run_dir: str | Path, *, base_model: str) -> Path:
+    """<run>/final from the whole weights, written by rank 0 (the others wait for it): what `save_final_dir`
+    writes in a single process."""
+    write_from_main(parallel, lambda model: save_final_dir(model, tokenizer, run_dir, base_model=base_model))
+    return final_dir(run_dir)

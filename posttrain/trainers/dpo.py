@@ -52,6 +52,7 @@ from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
 from posttrain.distributed.env import all_gather_rows, all_reduce_count, is_main, reduce_metrics
 from posttrain.distributed.parallel import Parallel, run_module
+from posttrain.distributed.processes import join_processes, main_metrics
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig, disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
@@ -61,6 +62,7 @@ from posttrain.trainers.adapters import (
     load_trainable,
     prepare_trainable,
     save_final_dir,
+    save_final_parallel,
 )
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
@@ -69,7 +71,6 @@ from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_r
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
-from posttrain.trainers.distributed import join_processes, main_metrics, save_final_parallel
 from posttrain.trainers.train_state import Checkpointer
 from posttrain.trainers.unpaired_data import is_unpaired, load_unpaired
 

@@ -42,8 +42,7 @@ from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
 from posttrain.distributed.env import barrier, broadcast_object, is_main, reduce_metrics
 from posttrain.distributed.lockstep import Lockstep
 from posttrain.errors import PosttrainError
-from posttrain.trainers.adapters import save_final_dir
-from posttrain.trainers.distributed import save_final_parallel
+from posttrain.trainers.adapters import save_final_dir, save_final_parallel
 from posttrain.trainers.ppo import ppo_advantages, save_value_head, whiten_over_ranks
 from posttrain.trainers.rl_config import GRPOConfig, PPOConfig, RLConfig, batch_sizes
 from posttrain.trainers.progress import StepProgress

@@ -15,12 +15,12 @@ from torch import nn
 
 from posttrain.distributed.env import is_main
 from posttrain.distributed.parallel import Parallel, run_module
+from posttrain.distributed.processes import join_processes, open_metrics
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.rewards import RewardSpec
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
-from posttrain.trainers.distributed import join_processes, open_metrics
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
 from posttrain.trainers.ppo import ValueHead, save_value_head

@@ -1,21 +1,25 @@
 """What a trainer does differently under torchrun: join the process group, place the model on the rank's
-device, write files from rank 0 only, save the final model from whole weights.
+device, log from rank 0 only, write the final model from whole weights on rank 0.
 
     ctx, model_section = join_processes(cfg.dist, cfg.model)   before loading the model
     parallel = Parallel(model, cfg.dist, ctx)                  before building the optimizer
     with main_metrics(run_dir, cfg) as metrics: ...            a MetricsLogger on rank 0 (with cfg.log's trackers)
-    save_final_parallel(parallel, tokenizer, run_dir, base)    final/ (one HF directory, from rank 0)
+    write_from_main(parallel, write)                           write(whole model) on rank 0, the others wait
+
+The trainers' `save_final_parallel` (posttrain.trainers.adapters) is `write_from_main` with the final save.
+This module sees the model section only through the two fields it reads, so it imports no trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from posttrain.config import config_to_dict
 from posttrain.cpu_malloc import set_malloc_policy
@@ -24,12 +28,19 @@ from posttrain.distributed.env import DistContext, barrier, init_distributed, is
 from posttrain.distributed.parallel import Parallel
 from posttrain.errors import ConfigError
 from posttrain.metrics import MetricsLogger
-from posttrain.run_dir import final_dir
-from posttrain.trainers.adapters import save_final_dir
-from posttrain.trainers.sections import ModelSection
 
 
-def join_processes(dist: DistSection, model: ModelSection) -> tuple[DistContext, ModelSection]:
+class ModelPlacement(Protocol):
+    """The fields of a trainer's `model:` section (a dataclass) that say where the model runs."""
+
+    device: str | None
+    cpu_memory: Literal["keep", "release"]
+
+
+PlacementT = TypeVar("PlacementT", bound=ModelPlacement)
+
+
+def join_processes(dist: DistSection, model: PlacementT) -> tuple[DistContext, PlacementT]:
     """Join torchrun's process group (nothing with strategy none) and put the model on this rank's device:
     cuda:LOCAL_RANK when CUDA is used, the CPU otherwise (with the malloc policy of `model.cpu_memory`)."""
     device = model.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,13 +71,11 @@ def main_metrics(run_dir: Path, cfg: Any) -> Iterator[MetricsLogger | None]:
         yield metrics
 
 
-def save_final_parallel(parallel: Parallel, tokenizer: Any, run_dir: Path, *, base_model: str) -> Path:
-    """<run>/final from the whole weights, written by rank 0 (the others wait for it): the HF directory, the PEFT
-    adapter (LoRA, QLoRA) or the quantized export (QAT), as a single process writes it."""
+def write_from_main(parallel: Parallel, write: Callable[[nn.Module], object]) -> None:
+    """`write(model)` with the whole weights on rank 0; every rank returns once it is written."""
     model = parallel.whole(parallel.model)  # fsdp2: gathered into a CPU copy of the same structure on rank 0
     if is_main():
         if model is None:
             raise ConfigError("rank 0 received no weights to export")
-        save_final_dir(model, tokenizer, run_dir, base_model=base_model)
+        write(model)
     barrier()
-    return final_dir(run_dir)
