@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "save_hf_dir": "posttrain.models.checkpoint_io",
     "Tokenizer": "posttrain.tokenizer",
     "LLM": "posttrain.engine.llm",
-    "SamplingParams": "posttrain.engine.sampling",
+    "SamplingParams": "posttrain.engine.sampling_params",
     "PosttrainError": "posttrain.errors",
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.errors import PosttrainError
 
 

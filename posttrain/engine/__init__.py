@@ -4,6 +4,6 @@ from posttrain.engine.config import EngineConfig
 from posttrain.engine.llm import LLM
 from posttrain.engine.llm_engine import LLMEngine
 from posttrain.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta"]

@@ -18,7 +18,7 @@ import torch
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.llm_engine import LLMEngine
 from posttrain.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.errors import PosttrainError
 
 ChatMessages = Sequence[dict[str, Any]]

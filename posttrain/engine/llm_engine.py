@@ -18,7 +18,8 @@ from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.outputs import CompletionOutput, RequestOutput
 from posttrain.engine.prompt_logprobs import PromptLogprobs
 from posttrain.engine.runner import ModelRunner
-from posttrain.engine.sampling import SamplingParams, make_generator
+from posttrain.engine.sampler import make_generator
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop

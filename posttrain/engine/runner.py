@@ -17,7 +17,7 @@ from posttrain.engine import packed_weights
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
-from posttrain.engine.sampling import SampleOutput, SamplingRow, SamplingWorkspace, sample
+from posttrain.engine.sampler import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
 from posttrain.errors import PosttrainError

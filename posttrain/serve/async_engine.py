@@ -27,7 +27,7 @@ from typing import Any
 
 from posttrain.engine.llm_engine import LLMEngine
 from posttrain.engine.outputs import RequestOutput
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.engine.outputs import CompletionOutput, RequestOutput
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.engine.stop import safe_text_len
 from posttrain.serve.errors import APIError
 from posttrain.serve.protocol import (

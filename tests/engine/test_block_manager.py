@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from posttrain.engine.block_manager import BlockManager
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.engine.sequence import Sequence
 
 

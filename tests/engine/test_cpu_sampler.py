@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from posttrain.engine import sampling
-from posttrain.engine.sampling import SamplingParams, SamplingRow, sample, sample_from_weights
+from posttrain.engine import sampler
+from posttrain.engine.sampler import SamplingRow, sample, sample_from_weights
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.models import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here")
 
-BLOCK = sampling._SUM_BLOCK
+BLOCK = sampler._SUM_BLOCK
 
 
 @pytest.mark.parametrize("vocab", [7, 1024, 2500, 49152])  # under one block, one, a short tail, SmolLM2's
@@ -64,7 +65,7 @@ def test_frequencies_follow_the_softmax() -> None:
 
 
 def _rows(params: SamplingParams, count: int, seed: int) -> list[SamplingRow]:
-    return [SamplingRow(params, [1, 2], [], sampling.make_generator(seed + i), {0}) for i in range(count)]
+    return [SamplingRow(params, [1, 2], [], sampler.make_generator(seed + i), {0}) for i in range(count)]
 
 
 def test_sample_takes_it_only_for_unfiltered_draws(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,10 +16,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from posttrain.engine.sampling import (
-    InvalidSamplingParams,
+from posttrain.engine.sampler import (
     SampleOutput,
-    SamplingParams,
     SamplingRow,
     SamplingWorkspace,
     apply_min_p,
@@ -30,6 +28,7 @@ from posttrain.engine.sampling import (
     sample,
     sample_from_weights,
 )
+from posttrain.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from posttrain.errors import PosttrainError
 
 NEG_INF = float("-inf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.config import EngineConfig
-from posttrain.engine.sampling import SamplingParams
+from posttrain.engine.sampling_params import SamplingParams
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence, SequenceStatus
 

@@ -6,7 +6,7 @@
  * step for 512 rows of a 49152-token vocabulary. Here a row's max and its exp sums are taken while the
  * row sits in the core's cache, and nothing (rows, vocab)-sized is written.
  *
- * The draw is the one posttrain/engine/sampling.py documents: one uniform u per row inverts the CDF of
+ * The draw is the one posttrain/engine/sampler.py documents: one uniform u per row inverts the CDF of
  * softmax(z), in two levels as sample_from_weights does (sums of `block` consecutive weights, searched in
  * fp64; then the tokens of the chosen block). The weights here are exp(z - max), unnormalised; the
  * normalisation cancels in the inversion, so a token differs from PyTorch's draw only when u falls within
