@@ -1,13 +1,8 @@
 """Memory and time of a training step, estimated from the shapes alone (`posttrain estimate`)."""
 
 from posttrain.estimate.compute import DEVICES, DeviceKind, TimeEstimate, device_kind, estimate_time
-from posttrain.estimate.memory import (
-    ALL_LINEARS,
-    Architecture,
-    MemoryEstimate,
-    TrainingSetup,
-    estimate_memory,
-)
+from posttrain.estimate.inputs import ALL_LINEARS, Architecture, TrainingSetup
+from posttrain.estimate.memory import MemoryEstimate, estimate_memory
 from posttrain.estimate.trainer_rules import TRAINERS, TrainerRules
 
 __all__ = [

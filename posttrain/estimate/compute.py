@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.errors import PosttrainError
-from posttrain.estimate.memory import Architecture, TrainingSetup, adapter_params
+from posttrain.estimate.inputs import Architecture, TrainingSetup
+from posttrain.estimate.memory import adapter_params
 from posttrain.estimate.trainer_rules import logit_tokens, rules, sequences, trunk_tokens
 
 DEFAULT_MFU = 0.4

@@ -15,10 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:  # memory.py imports this module; the types are only annotations here
-    from posttrain.estimate.memory import Architecture, TrainingSetup
+from posttrain.estimate.inputs import Architecture, Trainer, TrainingSetup
 
 SFT_LOSS_CHUNK_ROWS = 1024  # chunked_cross_entropy's default chunk (the SFT loss)
 LOGPROB_CHUNK_TOKENS = 256  # token_logprobs' DEFAULT_CHUNK_TOKENS (the DPO and RL losses)
@@ -183,7 +182,7 @@ def loss_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 PAIRS = "preference pairs (a chosen and a rejected row each)"
 SAMPLES = "samples (completions), --group-size of them to one packed row"
-TRAINERS: dict[str, TrainerRules] = {
+TRAINERS: dict[Trainer, TrainerRules] = {
     "sft": TrainerRules("sequences", "rows", True, sft_head),
     "dpo": TrainerRules(PAIRS, "pairs", True, dpo_head, reference_pass=True),
     "rm": TrainerRules(PAIRS, "pairs", False, rm_head, ScalarHead(bias=False, fp32=True, per_target=False)),
