@@ -133,12 +133,16 @@ class RolloutSection:
 
 
 @dataclass
-class TrainSection:
+class RLTrainSection:
+    """`train:` of grpo / ppo. Its `epochs` are PPO epochs: updates over each step's rollout batch (the batch
+    is sampled fresh every step), not passes over the prompt data as the offline trainers' `epochs` are
+    (sections.TrainSection)."""
+
     max_steps: int = 1000
     # Wall-clock budget of the whole run (load, evals and save included): a step starts only if it, the
     # final evaluation and the save still fit. None: no budget.
     max_minutes: float | None = 27.0
-    epochs: int = 1  # passes over each rollout batch
+    epochs: int = 1  # PPO epochs: passes of the update over each step's rollout batch
     minibatch_size: int | None = None  # samples per optimizer step; None: the whole rollout batch
     micro_batch_size: int | None = None  # samples per forward/backward; None: the minibatch
     # Logprobs of the policy that sampled (pi_old) for the ratio:
@@ -279,7 +283,7 @@ class GRPOConfig:
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    train: TrainSection = field(default_factory=TrainSection)
+    train: RLTrainSection = field(default_factory=RLTrainSection)
     optim: OptimSection = field(default_factory=_rl_optim)
     loss: LossSection = field(default_factory=LossSection)
     kl: KLSection = field(default_factory=KLSection)
@@ -307,7 +311,7 @@ class PPOConfig:
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=lambda: RolloutSection(prompts_per_step=32, samples_per_prompt=2))
-    train: TrainSection = field(default_factory=lambda: TrainSection(epochs=2, minibatch_size=32))
+    train: RLTrainSection = field(default_factory=lambda: RLTrainSection(epochs=2, minibatch_size=32))
     optim: OptimSection = field(default_factory=_rl_optim)
     loss: LossSection = field(default_factory=LossSection)
     kl: KLSection = field(default_factory=lambda: KLSection(beta=0.0, estimator="k1", in_reward=True))

@@ -59,10 +59,13 @@ class OptimSection:
 
 @dataclass
 class TrainSection:
+    """`train:` of the offline trainers (sft, dpo-family, rm, distill). Its `epochs` are passes over the training
+    data; RL's `train:` is rl_config.RLTrainSection, whose `epochs` are PPO epochs over each rollout batch."""
+
     batch_size: int = 8  # rows (or packed rows) per forward pass
     grad_accum: int = 1  # forward passes per optimizer step; rows per step = batch_size * grad_accum
     max_steps: int | None = None  # optimizer steps; null: derived from epochs
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over the training data (may be fractional); used when max_steps is null
     seed: int = 0
     log_every: int = 1  # steps between metrics.jsonl records
     save_every: int = 0  # steps between checkpoints/step-N saves; 0: only the final model
