@@ -127,8 +127,9 @@ def accuracy_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def accuracy_run(args: argparse.Namespace) -> int:
-    from posttrain.eval.accuracy import evaluate_accuracy, load_reward_specs, row_columns
+    from posttrain.eval.accuracy import NO_REWARD, evaluate_accuracy, row_columns
     from posttrain.eval.pass_at_k import check_ks
+    from posttrain.rewards import load_reward_specs
 
     sampling = _sampling(args, args.builtin_task)
     sampling.validate()
@@ -138,6 +139,8 @@ def accuracy_run(args: argparse.Namespace) -> int:
                              "numeric_match, or path/to/file.py:function)")
     data = _rows(args, args.builtin_task)
     specs = args.reward or ([data.default_reward] if data.default_reward else [])
+    if not specs:
+        raise PosttrainError(NO_REWARD)
     reward_specs = load_reward_specs(specs, row_columns(data.rows))  # bad specs fail before the model loads
     result = evaluate_accuracy(_engine(args, data.rows, sampling), data.rows, reward_specs, sampling=sampling, ks=ks,
                                threshold=args.threshold, progress=True)

@@ -22,11 +22,12 @@ from posttrain.engine import LLM
 from posttrain.errors import PosttrainError
 from posttrain.eval.generation import Sampling, sample
 from posttrain.eval.pass_at_k import check_ks, mean_pass_at_k
-from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, load_reward
+from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, load_reward_specs
 from posttrain.tasks import accuracy as task_accuracy
 from posttrain.trainers.rollout import PROMPT_KEY, RolloutBatch, score_groups
 
 SAMPLES_KEPT = 200  # per-sample records returned for inspection (--samples FILE writes them)
+NO_REWARD = "no reward function: name one with --reward (a built-in, e.g. numeric_match, or path/to/file.py:function)"
 
 
 @dataclass
@@ -54,20 +55,6 @@ class AccuracyResult:
         return out
 
 
-def load_reward_specs(specs: Sequence[str], columns: Sequence[str]) -> list[RewardSpec]:
-    """Reward functions by spec (a built-in name or path/to/file.py:function), each checked against the
-    columns it will receive (the rows' columns plus `completion_ids`); the total reward is their sum."""
-    if not specs:
-        raise PosttrainError("no reward function: name one with --reward (a built-in, e.g. numeric_match, "
-                             "or path/to/file.py:function)")
-    out = []
-    for spec in specs:
-        fn = load_reward(spec)
-        check_reward_signature(fn, spec, [*columns, COMPLETION_IDS_COLUMN])
-        out.append(RewardSpec(spec, fn, 1.0))
-    return out
-
-
 def row_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The columns every row has, besides the prompt (what a reward function is called with)."""
     common = set(rows[0]).intersection(*rows[1:]) - {PROMPT_KEY}
@@ -92,8 +79,10 @@ def evaluate_accuracy(
         specs = list(rewards)
         for spec in specs:  # before any generation: a signature that cannot take the columns fails now
             check_reward_signature(spec.fn, spec.name, [*row_columns(rows), COMPLETION_IDS_COLUMN])
-    else:
+    elif rewards:
         specs = load_reward_specs(list(rewards), row_columns(rows))  # type: ignore[arg-type]
+    else:
+        raise PosttrainError(NO_REWARD)
     batch = score_groups(sample(llm, rows, sampling, progress), specs, None)
     return summarize(batch, ks, threshold)
 

@@ -10,7 +10,7 @@ from posttrain.rewards.base import RewardError, RewardFn, completion_text
 from posttrain.rewards.combine import RewardResult, RewardSpec, compute_rewards
 from posttrain.rewards.format import THINK_ANSWER_PATTERN, format_reward
 from posttrain.rewards.length import COMPLETION_IDS_COLUMN, length_penalty, overlong_penalty
-from posttrain.rewards.loading import BUILTINS, load_reward
+from posttrain.rewards.loading import BUILTINS, load_reward, load_reward_specs
 from posttrain.rewards.model_reward import RewardModelScorer, load_score_head, save_score_head
 from posttrain.rewards.signature import check_reward_signature
 
@@ -33,6 +33,7 @@ __all__ = [
     "last_number",
     "length_penalty",
     "load_reward",
+    "load_reward_specs",
     "load_score_head",
     "numeric_match",
     "overlong_penalty",

@@ -10,6 +10,8 @@
     path/to/file.py:function                               that function, imported from the file
 
 Keyword options given to `load_reward` go to the factory, after the ones in the spec string.
+`load_reward_specs` loads the functions a run scores with (the RL trainers' and `posttrain eval accuracy`'s),
+as weighted `RewardSpec`s checked against the data's columns.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -27,8 +29,9 @@ from posttrain.errors import PosttrainError
 from posttrain.rewards.answers import boxed, gsm8k, numeric_match
 from posttrain.rewards.base import RewardError, RewardFn
 from posttrain.rewards.code import code_reward
+from posttrain.rewards.combine import RewardSpec
 from posttrain.rewards.format import THINK_ANSWER_PATTERN, format_reward
-from posttrain.rewards.length import length_penalty, overlong_penalty
+from posttrain.rewards.length import COMPLETION_IDS_COLUMN, length_penalty, overlong_penalty
 from posttrain.rewards.signature import check_reward_signature
 
 
@@ -109,6 +112,25 @@ def load_reward(spec: str, **options: Any) -> RewardFn:
         fn = load_reward_from_file(Path(file_part), function_name)
     check_reward_signature(fn, spec)
     return fn
+
+
+def load_reward_specs(specs: Sequence[str], columns: Sequence[str],
+                      weights: Sequence[float] | None = None) -> list[RewardSpec]:
+    """One `RewardSpec` per spec string, named by the spec, with its weight in the total (`weights`, one per
+    spec; None: 1 each). Each function's signature is checked against what it will be called with: the rows'
+    `columns` (every key but the prompt) plus `completion_ids`, so a bad spec fails before any generation.
+    The caller handles an empty `specs` with its own message (it knows which option names the functions)."""
+    if not specs:
+        raise RewardError("no reward function to load")
+    if weights is not None and len(weights) != len(specs):
+        raise RewardError(f"{len(weights)} reward weights for {len(specs)} reward functions")
+    received = [*columns, COMPLETION_IDS_COLUMN]
+    loaded = []
+    for spec, weight in zip(specs, weights if weights is not None else [1.0] * len(specs)):
+        fn = load_reward(spec)
+        check_reward_signature(fn, spec, received)
+        loaded.append(RewardSpec(spec, fn, weight))
+    return loaded
 
 
 def _load_builtin(spec: str, name: str, argument: str | None, options: dict[str, Any]) -> RewardFn:

@@ -19,7 +19,7 @@ from posttrain.distributed.processes import join_processes, open_metrics
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
-from posttrain.rewards import RewardSpec
+from posttrain.rewards import RewardSpec, load_reward_specs
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
@@ -39,8 +39,8 @@ from posttrain.trainers.rollout import (
     PromptSource,
     check_prompt_lengths,
     data_columns,
-    load_reward_specs,
     make_prompt_source,
+    reward_names,
 )
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.train_state import Checkpointer
@@ -108,8 +108,8 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     dist_section = cfg.dist
     ctx, model_section = join_processes(dist_section, cfg.model)
     source = make_prompt_source(cfg.data)
-    columns = data_columns(source)
-    specs = load_reward_specs(cfg.reward, cfg.data, source, columns)
+    reward_weights = cfg.reward.weights or None  # [] with no functions: the task's default, weight 1
+    specs = load_reward_specs(reward_names(cfg.reward, cfg.data, source), data_columns(source), reward_weights)
     held_out = source.held_out(cfg.data.eval_size) if cfg.data.eval_size else []
     if (model is None) != (tokenizer is None):
         raise PosttrainError("pass both model= and tokenizer= (or neither, to load model.name_or_path)")

@@ -1,7 +1,7 @@
 """Rollouts for the RL trainers: prompts in, scored groups of completions out.
 
 - `make_prompt_source`: a built-in task (`posttrain.tasks`) or a JSONL dataset with a prompt column.
-- `load_reward_specs`: the reward functions, their signatures checked against the data's columns.
+- `reward_names`: the reward functions a run scores with (`posttrain.rewards.load_reward_specs` loads them).
 - `generate_groups`: one engine call over the LIVE policy module, n samples per prompt, with the
   engine's sampling logprobs; `score_groups` adds rewards (NaN = unscorable) and DAPO's soft
   overlong penalty.
@@ -29,7 +29,7 @@ from posttrain.data.readers import read_json_rows
 from posttrain.distributed.env import all_gather_objects
 from posttrain.engine import LLM, SamplingParams
 from posttrain.errors import PosttrainError
-from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, compute_rewards, load_reward
+from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, compute_rewards
 from posttrain.trainers.rl_config import TASK_DEFAULT_REWARDS, DataSection, RewardSection
 
 PROMPT_KEY = "prompt"  # every row handed to the trainer carries its prompt under this key
@@ -141,29 +141,22 @@ def make_prompt_source(cfg: DataSection) -> PromptSource:
 
 
 def data_columns(source: PromptSource) -> list[str]:
-    """The columns a reward function receives (every row key but the prompt) plus `completion_ids`."""
+    """The data's columns a reward function receives: every row key but the prompt."""
     first = (source.held_out(1) or source.sample(1))[0]
     if PROMPT_KEY not in first:
         raise PosttrainError(f"the data's rows have no {PROMPT_KEY!r} (columns: {', '.join(first)})")
-    return [k for k in first if k != PROMPT_KEY] + [COMPLETION_IDS_COLUMN]
+    return [k for k in first if k != PROMPT_KEY]
 
 
-def load_reward_specs(cfg: RewardSection, data: DataSection, source: PromptSource, columns: list[str]) -> list[RewardSpec]:
-    """`reward.functions` (or the task's default reward), each signature checked against the columns."""
-    names = list(cfg.functions)
-    if not names:
-        default = getattr(source, "reward", "") or TASK_DEFAULT_REWARDS.get(data.task or "", "")
-        if not default:
-            raise PosttrainError("reward.functions is empty and the data has no default reward: name one, "
-                                 "e.g. reward.functions=[numeric_match]")
-        names = [default]
-    weights = cfg.weights or [1.0] * len(names)
-    specs = []
-    for name, weight in zip(names, weights):
-        fn = load_reward(name)
-        check_reward_signature(fn, name, columns)
-        specs.append(RewardSpec(name, fn, weight))
-    return specs
+def reward_names(cfg: RewardSection, data: DataSection, source: PromptSource) -> list[str]:
+    """`reward.functions`, or the task's default reward when it names none."""
+    if cfg.functions:
+        return list(cfg.functions)
+    default = getattr(source, "reward", "") or TASK_DEFAULT_REWARDS.get(data.task or "", "")
+    if not default:
+        raise PosttrainError("reward.functions is empty and the data has no default reward: name one, "
+                             "e.g. reward.functions=[numeric_match]")
+    return [default]
 
 
 def check_prompt_lengths(source: PromptSource, held_out: list[dict[str, Any]], tokenizer: Any, limit: int) -> None:

@@ -1,11 +1,11 @@
-"""load_reward (built-ins, factories, file.py:function) and the up-front signature check."""
+"""load_reward (built-ins, factories, file.py:function), load_reward_specs and the up-front signature check."""
 
 import functools
 import textwrap
 
 import pytest
 
-from posttrain.rewards import RewardError, check_reward_signature, load_reward, numeric_match
+from posttrain.rewards import RewardError, check_reward_signature, load_reward, load_reward_specs, numeric_match
 
 
 def test_builtin_names():
@@ -111,6 +111,25 @@ def test_load_time_signature_check(tmp_path):
         load_reward(f"{path}:one_arg")
     with pytest.raises(RewardError, match="parameter 'prompts' is positional-only"):
         load_reward(f"{path}:positional_only")
+
+
+def test_load_reward_specs_weights_and_the_columns_each_function_receives(tmp_path):
+    path = write(tmp_path, "by_ids.py", """
+        def by_ids(prompts, completions, completion_ids, answer):
+            return [float(len(ids)) for ids in completion_ids]
+    """)
+    # The exact signature names every keyword: the data's columns plus completion_ids, which is added.
+    specs = load_reward_specs(["numeric_match", f"{path}:by_ids"], ["answer"], [0.5, 2.0])
+    assert [(s.name, s.fn, s.weight) for s in specs] == [
+        ("numeric_match", numeric_match, 0.5), (f"{path}:by_ids", specs[1].fn, 2.0)]
+    assert specs[1].fn(prompts=["p"], completions=["c"], completion_ids=[[1, 2]], answer=["a"]) == [2.0]
+    assert [s.weight for s in load_reward_specs(["numeric_match", "gsm8k"], ["answer"])] == [1.0, 1.0]
+    with pytest.raises(RewardError, match=r"no \*\*kwargs and no parameter for 'label'"):
+        load_reward_specs([f"{path}:by_ids"], ["answer", "label"])  # fails before any generation
+    with pytest.raises(RewardError, match="1 reward weights for 2 reward functions"):
+        load_reward_specs(["numeric_match", "gsm8k"], ["answer"], [1.0])
+    with pytest.raises(RewardError, match="no reward function to load"):
+        load_reward_specs([], ["answer"])
 
 
 def test_signature_rule():
