@@ -6,7 +6,14 @@ The public face. Names are imported on first use, so `import posttrain` stays li
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from posttrain.models.transformer import Transformer
 
 __version__ = "0.1.0"
 
@@ -24,6 +31,24 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+
+def _load_quantized_dir(path: Path, device: torch.device, dtype: torch.dtype | None) -> Transformer:
+    from posttrain.quant.io import load_quantized_dir
+
+    return load_quantized_dir(path, device=device, dtype=dtype)
+
+
+def _register_dir_formats() -> None:
+    """Wire the directory formats other packages write into models' loader (models imports none of them):
+    here, because every import of a posttrain module runs this file first. Matching reads config.json only,
+    and quant is imported when such a directory is loaded, so `import posttrain` stays light."""
+    from posttrain.models.dir_formats import DirFormat, declares_quantization, register_dir_format
+
+    register_dir_format(DirFormat("posttrain quantize directory", declares_quantization, _load_quantized_dir))
+
+
+_register_dir_formats()
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,8 @@
 
 A GGUF file is converted once into an HF directory under the cache (safetensors + config + tokenizer)
 and loaded from there afterwards, which is what makes the second load fast. The cache key includes the
-GGUF's size and mtime, so a replaced file is converted again.
+GGUF's size and mtime, so a replaced file is converted again. Directory formats other packages write
+(`posttrain quantize` output) load through the format registered for them (dir_formats.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import build_model, load_hf_dir, parse_dtype, save_hf_dir
 from posttrain.models.config import ModelConfig
+from posttrain.models.dir_formats import dir_format
 from posttrain.models.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -112,15 +114,14 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """Load (model, tokenizer) from an HF directory, a GGUF file, a `posttrain quantize` directory or a
-    known name; model in eval mode. A quantized directory keeps its stored float dtype unless `dtype` is given."""
+    """Load (model, tokenizer) from an HF directory, a GGUF file, a `posttrain quantize` directory (through
+    its registered `DirFormat`) or a known name; model in eval mode. A quantized directory keeps its stored
+    float dtype unless `dtype` is given."""
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(name_or_path)
-    from posttrain.quant.io import is_quantized_dir, load_quantized_dir  # lazy: quant builds on this module
-
-    if is_quantized_dir(path):
-        model = load_quantized_dir(path, device=device, dtype=parse_dtype(dtype))
-        return model, load_tokenizer(path)
+    fmt = dir_format(path)
+    if fmt is not None:
+        return fmt.load(path, device, parse_dtype(dtype)), load_tokenizer(path)
     torch_dtype = parse_dtype(dtype) or default_dtype(device)
     model = load_hf_dir(path, dtype=torch_dtype, device=device).eval()
     tokenizer = load_tokenizer(path)

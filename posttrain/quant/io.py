@@ -4,11 +4,13 @@ config.json is the model's own plus a `quantization_config` section (`QuantSchem
 safetensors file holds each quantized layer as `<hf name>.qweight` / `.scales` / `.zeros` (asymmetric) /
 `.bias`, and every other tensor (embeddings, norms) in its float dtype. Which layers are quantized is read
 from the tensor names, so a directory describes itself.
+
+`hub.load_model` reads these directories through the format posttrain/__init__.py registers with models
+(`models.dir_formats`): models itself never imports quant.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import ours_to_hf, read_hf_config, read_our_tensors, save_hf_dir
+from posttrain.models.dir_formats import declares_quantization
 from posttrain.models.transformer import Transformer
 from posttrain.quant.linear import QuantizedLinear, replace_module
 from posttrain.quant.schemes import FORMAT_VERSION, INT4_LAYOUT, QUANT_METHOD, SCHEMES, QuantScheme
@@ -39,14 +42,7 @@ def save_quantized(model: Transformer, out: str | Path, tokenizer: Any | None = 
 def is_quantized_dir(path: str | Path) -> bool:
     """True for a directory whose config.json has a `quantization_config` section (load it with
     `load_quantized_dir`, which explains any it cannot read)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return False
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return False  # the normal loader reports a broken config.json
-    return isinstance(config, dict) and "quantization_config" in config
+    return declares_quantization(path)
 
 
 def scheme_from_config(section: Any, source: str) -> QuantScheme:

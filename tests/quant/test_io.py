@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from posttrain.quant import (
 from tests.quant.tiny import char_tokenizer, tiny_model
 
 IDS = torch.arange(0, 120, 5).view(2, 12)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -85,6 +90,20 @@ def test_hub_load_model_reads_a_quantized_dir(saved):
     assert any(isinstance(m, QuantizedLinear) for m in loaded.modules())  # kept quantized, not dequantized
     with torch.no_grad():
         assert torch.equal(loaded(IDS), model(IDS))
+
+
+@pytest.mark.parametrize("load", ["from posttrain.models.hub import load_model", "from posttrain import load_model"])
+def test_a_fresh_process_loads_a_quantized_dir_without_importing_quant_first(saved, load):
+    # models imports nothing of quant: the directory reaches quant's loader through the format the
+    # package registers, in a process where nothing imported quant before the load.
+    path, _ = saved
+    code = (f"import sys; {load}; assert not any(m.startswith('posttrain.quant') for m in sys.modules); "
+            "model, _ = load_model(sys.argv[1], device='cpu'); from posttrain.quant import QuantizedLinear; "
+            "print(sum(isinstance(m, QuantizedLinear) for m in model.modules()))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == sum(isinstance(m, QuantizedLinear) for m in saved[1].modules()) > 0
 
 
 def test_save_needs_a_quantized_model(tmp_path):
