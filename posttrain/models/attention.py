@@ -6,70 +6,19 @@
   carries the per-layer KV cache blocks and where each new token's K/V goes. The engine fills it in;
   the kernel lives in `paged_attention.py`.
 
-The model knows nothing of the engine: these dataclasses are the whole contract.
+The model knows nothing of the engine: these dataclasses (attention_metadata.py) are the whole contract.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.attention_metadata import AttentionMetadata, DenseAttentionMetadata, PagedAttentionMetadata
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import RMSNorm, apply_rotary
-
-
-@dataclass
-class DenseAttentionMetadata:
-    """mask (B, 1, T, T) bool, True where query t may attend key s; None means plain causal.
-
-    positions (B, T): the tokens' positions; layers with a sliding window keep keys whose position is
-    less than `window` before the query's (positions, not indices, so packed rows whose completions
-    share a prompt slide correctly). The windowed masks are built once per forward, on first use.
-    """
-
-    mask: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
-
-    def mask_for_window(self, window: int | None, seq_len: int, device: torch.device) -> torch.Tensor | None:
-        """The mask for a layer with this sliding window (None: full attention, the plain mask)."""
-        if window is None:
-            return self.mask
-        if window not in self._windowed:
-            idx = torch.arange(seq_len, device=device)
-            base = self.mask if self.mask is not None else (idx[None, :] <= idx[:, None])[None, None]  # (B|1, 1, T, T)
-            pos = self.positions if self.positions is not None else idx[None]  # (B|1, T)
-            near = (pos[:, None, :, None] - pos[:, None, None, :]) < window  # (B|1, 1, T, T)
-            eye = torch.eye(seq_len, dtype=torch.bool, device=device)[None, None]
-            self._windowed[window] = (base & near) | eye
-        return self._windowed[window]
-
-
-@dataclass
-class PagedAttentionMetadata:
-    """What one engine step needs; S sequences, N new tokens in all, in sequence order.
-
-    kv_caches[layer]: (2, num_blocks, block_size, n_kv_heads, head_dim), K at [0] and V at [1].
-    slot_mapping (N,): flat slot (block_id * block_size + offset) where each new token's K/V is written;
-        a negative slot means "do not write" (its K/V is already cached).
-    block_tables (S, max_blocks): the cache blocks of each sequence, in order (padded with 0).
-    context_lens (S,): tokens each sequence can see after this step's writes (cached + new).
-    query_lens (S,): new tokens per sequence this step; they are the last query_lens of its context.
-    max_query_len: max(query_lens); 1 means a pure decode step.
-    """
-
-    kv_caches: list[torch.Tensor]
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_lens: torch.Tensor
-    max_query_len: int
-
-
-AttentionMetadata = DenseAttentionMetadata | PagedAttentionMetadata
+from posttrain.models.paged_attention import paged_attention
 
 
 def build_dense_mask(
@@ -143,8 +92,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if isinstance(meta, PagedAttentionMetadata):
-            from posttrain.models.paged_attention import paged_attention
-
             out = paged_attention(q, k, v, meta, self.layer_idx, self.sliding_window)  # (N, H, D)
         else:
             out = self._dense(q, k, v, meta)  # (B, T, H, D)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.models import cpu_kernels
-from posttrain.models.attention import PagedAttentionMetadata
+from posttrain.models.attention_metadata import PagedAttentionMetadata
 from posttrain.models.decode_staging import staging
 from posttrain.models.paged_plan import DecodePlan, PrefillPlan, plan_for
 

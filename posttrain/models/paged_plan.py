@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.models.attention import PagedAttentionMetadata
+from posttrain.models.attention_metadata import PagedAttentionMetadata
 from posttrain.models.decode_staging import StagingPlan, staging
 
 
