@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/distill_curve.py --steps 2 --batch-size 2 --eval-prompts 4 --max-new-tokens 8 --eval-every 1
 
 Teacher: smollm2-135m (30 decoder layers). Student: the teacher with every other layer kept (15 layers,
-`posttrain convert --num-layers 15`, see posttrain/models/layer_drop.py), the only smaller model with the
-same tokenizer at hand. Training is `posttrain distill` with mode=on_policy: each step the student samples
+`posttrain convert --num-layers 15`, see posttrain/trainers/distill_student.py), the only smaller model
+with the same tokenizer at hand. Training is `posttrain distill` with mode=on_policy: each step the student samples
 --max-new-tokens for --batch-size GSM8K train questions (chat template) and is trained toward the teacher
 on its own samples (--loss reverse_kl: KL(student || teacher) per token; jsd also works).
 

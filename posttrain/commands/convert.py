@@ -9,7 +9,7 @@ from pathlib import Path
 from posttrain.commands.common import add_model_arguments, add_out_arguments, check_out_argument
 from posttrain.models.checkpoint_io import parse_dtype, save_hf_dir
 from posttrain.models.hub import load_model
-from posttrain.models.layer_drop import evenly_spaced_layers, keep_layers, parse_layer_list
+from posttrain.trainers.distill_student import evenly_spaced_layers, keep_layers, parse_layer_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

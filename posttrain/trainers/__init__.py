@@ -7,4 +7,7 @@ metrics), `progress` (the bar, drawn against the step or time bound that ends th
 (step-N directories: commit marker, rotation), `train_state` (what a checkpoint holds and how it is
 restored, bit-exactly), `resume` (`resume: auto | PATH`), `faults` (skipped non-finite updates, abort
 after `max_bad_steps` in a row).
+
+Beside the distill trainer, `distill_student` makes its student from the teacher by keeping some of its
+decoder layers (`posttrain convert --num-layers / --keep-layers`).
 """

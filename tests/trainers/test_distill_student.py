@@ -12,8 +12,8 @@ from posttrain.cli import main
 from posttrain.errors import PosttrainError
 from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.models.hub import load_model
-from posttrain.models.layer_drop import evenly_spaced_layers, keep_layers, parse_layer_list
 from posttrain.models.transformer import Transformer
+from posttrain.trainers.distill_student import evenly_spaced_layers, keep_layers, parse_layer_list
 from tests.data.tiny import tiny_model_config, tiny_tokenizer
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8]])

@@ -1,4 +1,5 @@
-"""A smaller model from a checkpoint by keeping a subset of its decoder layers ("layer dropping").
+"""A smaller model from a checkpoint by keeping a subset of its decoder layers ("layer dropping"):
+the student `posttrain distill` (trainers/distill.py) trains, written by `posttrain convert --num-layers`.
 
 The student for distilling a model into a smaller one with the same tokenizer, when no smaller
 pretrained sibling is at hand: keep, say, every other layer of the teacher. The kept layers keep their
