@@ -48,7 +48,7 @@ from posttrain.trainers.ppo import ppo_advantages, save_value_head, whiten_over_
 from posttrain.trainers.rl_config import GRPOConfig, PPOConfig, RLConfig, batch_sizes
 from posttrain.trainers.rl_metrics import StepTimer, batch_metrics, headline, peak_memory_gb, progress_bar
 from posttrain.trainers.rl_run import RLRun, setup_run
-from posttrain.trainers.rl_update import StepBatch, prepare_batch, scoring_pass, update_policy
+from posttrain.trainers.rl_update import StepBatch, UpdateTargets, prepare_batch, scoring_pass, update_policy
 from posttrain.trainers.rollout import collect_rollout, evaluate, prompt_seed_base
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -162,8 +162,9 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
         behaviour = old if old is not None else data.rollout_logprobs
         adv, returns, adv_metrics = _advantages(run, data, behaviour, ref, values, loss_mask)
     metrics.update(adv_metrics)
+    targets = UpdateTargets(adv, loss_mask, old_logprobs=old, ref_logprobs=ref, old_values=values, returns=returns)
     with timer("update"):
-        update_metrics, train_tokens = update_policy(run, step, data, adv, old, ref, values, returns, loss_mask)
+        update_metrics, train_tokens = update_policy(run, step, data, targets)
     metrics.update(update_metrics)
     metrics["tokens/train_per_s"] = train_tokens / max(timer.seconds["update"], 1e-9)
     metrics["policy_version"] = run.llm.policy_version

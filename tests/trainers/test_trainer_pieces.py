@@ -111,3 +111,28 @@ def test_checkpoints_are_hf_dirs_and_pruned(tmp_path):
         save_checkpoint(model, tok, tmp_path, step, keep_last=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
     assert (tmp_path / "checkpoints" / "step-3" / "tokenizer.json").is_file()
+
+
+def test_accumulating_named_terms_divides_each_by_its_own_denominator():
+    """Two loss terms with different normalisers (RL: the policy term by its aggregation's count, the value
+    loss by tokens), over three micro-batches: the gradient and the loss of the whole batch at once."""
+    from posttrain.trainers.accumulate import accumulate_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(9, 4, generator=gen, dtype=torch.float64), torch.randn(9, generator=gen, dtype=torch.float64)
+    weight = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def terms(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        pred = x[rows] @ weight
+        return {"policy": (pred * y[rows]).sum(), "value": (pred - y[rows]).square().sum()}
+
+    whole = terms(torch.arange(9))  # normalisers: "policy" as if over 4 sequences, "value" over the 9 rows
+    want_loss = whole["policy"] / 4 + whole["value"] / 9
+    (want_grad,) = torch.autograd.grad(want_loss, weight)
+    micro = [torch.arange(0, 2), torch.arange(2, 5), torch.arange(5, 9)]
+    out = accumulate_gradients(micro, lambda rows: (terms(rows), {"rows": len(rows)}), {"policy": 4.0, "value": 9.0})
+    # float64 sums of 9 terms of size ~1 in another order: a few ulps apart
+    torch.testing.assert_close(weight.grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert out["loss"] == pytest.approx(float(want_loss.detach()), rel=1e-12) and out["rows"] == 9
+    with pytest.raises(ValueError, match="denominator 'value' must be positive"):
+        accumulate_gradients(micro, lambda rows: (terms(rows), {}), {"policy": 4.0, "value": 0.0})
