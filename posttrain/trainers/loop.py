@@ -109,7 +109,8 @@ def run_steps(
     """Run steps `start_step`..`max_steps - 1` (a resumed run starts past 0); returns the last step's record.
 
     Records are written under step numbers 1..max_steps (the count of finished updates) with `lr`
-    (the rate that step used), `step_time` (s) and `tokens_per_s` added to the step's own metrics.
+    (the rate that step used), `time/step_s` and `tokens/train_per_s` added to the step's own metrics
+    (the names every trainer logs them under, RL included).
     `save_fn(step)` runs every `save_every` steps (not after the last: the caller saves the final
     model); `eval_fn()` every `eval_every` steps and after the last one, its metrics logged too.
     `postfix` adds the trainer's headline metrics to the bar: {label: metric key} (a key the step
@@ -124,14 +125,14 @@ def run_steps(
             out = step_fn(step)
             elapsed = time.perf_counter() - start
             done = step + 1
-            record = {**out, "lr": lr, "step_time": elapsed, "tokens_per_s": out["tokens"] / elapsed}
+            record = {**out, "lr": lr, "time/step_s": elapsed, "tokens/train_per_s": out["tokens"] / elapsed}
             if eval_fn is not None and ((eval_every and done % eval_every == 0) or done == max_steps):
                 record.update(eval_fn())
             if metrics is not None and (done % log_every == 0 or done == max_steps or "eval_loss" in record):
                 metrics.log(done, record)
             shown = {"loss": f"{out['loss']:.4f}"}
             shown.update({label: f"{float(out[key]):.3g}" for label, key in (postfix or {}).items() if key in out})
-            bar.set_postfix(**shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            bar.set_postfix(**shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens/train_per_s']:.0f}", refresh=False)
             bar.update(1)
             if save_fn is not None and save_every and done % save_every == 0 and done != max_steps:
                 save_fn(done)

@@ -92,7 +92,7 @@ def test_run_steps_logs_records_saves_and_evaluates(tmp_path):
                          eval_every=4, eval_fn=lambda: {"eval_loss": 0.25}, progress=False)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [2, 4, 5]
-    assert records[0]["loss"] == 0.5 and records[0]["lr"] == 0.5 and records[0]["tokens_per_s"] > 0
+    assert records[0]["loss"] == 0.5 and records[0]["lr"] == 0.5 and records[0]["tokens/train_per_s"] > 0
     assert "eval_loss" in records[1] and "eval_loss" in records[2] and last["eval_loss"] == 0.25
     assert saved == [2, 4]
 
