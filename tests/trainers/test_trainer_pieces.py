@@ -136,3 +136,27 @@ def test_accumulating_named_terms_divides_each_by_its_own_denominator():
     assert out["loss"] == pytest.approx(float(want_loss.detach()), rel=1e-12) and out["rows"] == 9
     with pytest.raises(ValueError, match="denominator 'value' must be positive"):
         accumulate_gradients(micro, lambda rows: (terms(rows), {}), {"policy": 4.0, "value": 0.0})
+
+
+def test_run_steps_stops_when_asked_and_keeps_what_a_step_measured_itself(tmp_path):
+    """RL's time budget is a stop hook asked before every step; a step that times its own work (RL) keeps its
+    time/step_s and lr, and a step without loss or tokens (RL's skipped step) is logged as it is."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    asked = []
+
+    def step(index: int) -> dict[str, float]:
+        if index == 1:
+            return {"skipped": 1}
+        return {"loss": 1.0, "tokens": 10, "time/step_s": 123.0, "lr": 0.25}
+
+    def stop(steps_done: int) -> bool:
+        asked.append(steps_done)
+        return steps_done == 3
+
+    with MetricsLogger(tmp_path) as metrics:
+        last = run_steps(step, max_steps=10, optimizer=optimizer, metrics=metrics, progress=False, should_stop=stop,
+                         start_step=1)
+    records = read_metrics(tmp_path)
+    assert asked == [1, 2, 3] and [r["step"] for r in records] == [2, 3] and last["loss"] == 1.0
+    assert records[0]["skipped"] == 1 and "tokens/train_per_s" not in records[0] and records[0]["lr"] == 0.5
+    assert records[1]["time/step_s"] == 123.0 and records[1]["lr"] == 0.25 and records[1]["tokens/train_per_s"] > 0
