@@ -150,9 +150,9 @@ def run_sft(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
         overrides = sft_overrides(args, out, lora) + [f"model.cpu_memory={allocator}"]
         measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "sft", *overrides],
                                           tmp / f"{out.name}.log")
-        metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "step_time" in r]
+        metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "time/step_s" in r]
         logged[allocator] = [int(r["tokens"]) for r in metrics]
-        step_time[allocator] = round(metrics[-1]["step_time"], 2)
+        step_time[allocator] = round(metrics[-1]["time/step_s"], 2)
     steps = sft_micro_batches(overrides, args.sft_steps)
     replayed = [sum(mb["tokens"] for mb in micro) for micro in steps]
     est = sft_estimate(arch, steps, lora, overheads[args.allocators[-1]])
@@ -207,8 +207,8 @@ def run_dpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
         out = tmp / f"dpo-{allocator}"
         overrides = dpo_overrides(args, out, allocator)
         measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "dpo", *overrides], tmp / f"{out.name}.log")
-        metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "step_time" in r]
-        step_time[allocator] = round(metrics[-1]["step_time"], 2)
+        metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "time/step_s" in r]
+        step_time[allocator] = round(metrics[-1]["time/step_s"], 2)
     best: dict[str, Any] = {}
     for micro in dpo_micro_batches(overrides, args.dpo_steps):
         for index, mb in enumerate(micro):

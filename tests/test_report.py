@@ -91,6 +91,23 @@ def test_sft_run_gets_loss_with_eval_points_and_step_time(tmp_path: Path) -> Non
     assert not (run_dir / "report.html").exists()  # --out leaves the run directory alone
 
 
+def test_old_metrics_files_read_under_the_one_schema(tmp_path: Path) -> None:
+    """Runs logged before every trainer shared the metric names (SFT's step_time and tokens_per_s) plot and
+    head the table exactly as a run logging today's time/step_s and tokens/train_per_s."""
+    old = [{"step": s, "loss": 1.0 / s, "step_time": 2.0 + s, "tokens_per_s": 90.0 + s} for s in (1, 2, 3)]
+    new = [{"step": s, "loss": 1.0 / s, "time/step_s": 2.0 + s, "tokens/train_per_s": 90.0 + s} for s in (1, 2, 3)]
+    assert collect_series(old) == collect_series(new)
+    for name, records in (("old", old), ("new", new)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        with MetricsLogger(run_dir) as log:
+            for record in records:
+                log.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+        page = render_report(run_dir).read_text()
+        assert "time/step_s" in page and "step_time" not in page and "tokens_per_s" not in page
+        assert {"step_time", "throughput"} <= {p.stem for p in (run_dir / "plots").glob("*.png")}
+
+
 def test_duplicate_series_and_patterns() -> None:
     series = collect_series([{"step": 1, "reward/mean": 0.5, "reward/f/mean": 0.5, "reward/g/mean": 0.2}])
     assert resolve_keys(("reward/mean", "reward/*/mean"), series) == ["reward/mean", "reward/g/mean"]

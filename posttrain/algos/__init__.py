@@ -1,5 +1,6 @@
 """Algorithm math as pure tensor functions: advantages, KL estimators, policy / value / preference
-losses, loss aggregation and memory-lean log-probabilities. Imports nothing else of posttrain.
+losses, loss aggregation, the RL objective that composes them, and memory-lean log-probabilities.
+Imports nothing else of posttrain.
 
 Each family has a registry mapping a config name to one function per variant.
 """
@@ -14,12 +15,14 @@ from posttrain.algos.kl import KL_ESTIMATORS
 from posttrain.algos.logprobs import chunked_cross_entropy, entropy_from_logits, token_logprobs
 from posttrain.algos.losses import POLICY_LOSSES, value_loss
 from posttrain.algos.masked import masked_mean, masked_whiten
+from posttrain.algos.objective import ObjectiveParams, rl_objective
 from posttrain.algos.preference import PREFERENCE_LOSSES
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "ObjectiveParams",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "chunked_cross_entropy",
@@ -27,6 +30,7 @@ __all__ = [
     "entropy_from_logits",
     "masked_mean",
     "masked_whiten",
+    "rl_objective",
     "soft_overlong_penalty",
     "token_logprobs",
     "value_loss",

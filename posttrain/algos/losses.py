@@ -1,7 +1,8 @@
 """Policy-gradient and value losses for PPO / GRPO-family training.
 
 A policy loss returns the per-token loss (B, T), zero outside the mask, plus detached metrics;
-the trainer then adds any per-token KL term and reduces with an `AGGREGATIONS` entry:
+`posttrain.algos.objective.rl_objective` then weighs it (TIS), adds the KL and entropy terms and
+reduces it with an `AGGREGATIONS` entry, in effect:
 
     per_token, metrics = POLICY_LOSSES[name](logprobs, old_logprobs, advantages, mask, **params)
     per_token = per_token + beta * KL_ESTIMATORS["k3"](logprobs, ref_logprobs)

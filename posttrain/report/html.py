@@ -57,7 +57,7 @@ def headline_rows(drawn: list[tuple[Panel | None, Path, list[str]]], series: dic
     rows = []
     for panel, _, keys in drawn:
         if panel is None:  # the step-time panel: its total only; the phases are in the plot
-            keys = [k for k in keys if k in ("time/step_s", "step_time")]
+            keys = [k for k in keys if k == "time/step_s"]
         for key in keys:
             points = _finite(series[key])
             if not points:

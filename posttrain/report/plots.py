@@ -26,6 +26,9 @@ DPI = 110
 RAW_ALPHA = 0.28
 SMOOTH_MIN_POINTS = 12  # fewer points than this: draw them as they are
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+# Names runs logged before every trainer used one metrics schema (SFT, DPO, RM and distill wrote the step
+# time and throughput under their own names); read as today's names, so old metrics.jsonl files still plot.
+LEGACY_NAMES = {"step_time": "time/step_s", "tokens_per_s": "tokens/train_per_s"}
 # time/<phase>_s keys that are not phases of one step (totals, or separate work)
 NOT_PHASES = ("time/step_s", "time/step_cpu_s", "time/eval_s")
 PHASE_ORDER = ("rollout", "reward", "ref_pass", "old_pass", "advantage", "update")
@@ -57,7 +60,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("clipping", "Clipped fractions", "fraction", ("clip_frac/low", "clip_frac/high", "response_len/clipped_frac",
                                                         "value/clip_frac")),
     Panel("optimization", "Gradient norm and learning rate", "gradient norm", ("grad_norm",), twin=("lr",)),
-    Panel("throughput", "Throughput", "tokens / s", ("tokens_per_s", "tokens/rollout_per_s", "tokens/train_per_s")),
+    Panel("throughput", "Throughput", "tokens / s", ("tokens/train_per_s", "tokens/rollout_per_s")),
     Panel("memory", "Peak memory", "GiB", ("memory/*",)),
 )
 
@@ -67,14 +70,15 @@ def is_eval_key(key: str) -> bool:
 
 
 def collect_series(records: list[dict]) -> dict[str, Series]:
-    """Numeric metrics by key, each as (steps, values) in file order (NaN kept: it draws as a gap)."""
+    """Numeric metrics by key (`LEGACY_NAMES` renamed), each as (steps, values) in file order (NaN kept: it
+    draws as a gap)."""
     out: dict[str, Series] = {}
     for record in records:
         step = record["step"]
         for key, value in record.items():
             if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            steps, values = out.setdefault(key, ([], []))
+            steps, values = out.setdefault(LEGACY_NAMES.get(key, key), ([], []))
             steps.append(step)
             values.append(float(value))
     return out
@@ -180,10 +184,10 @@ def plot_panel(panel: Panel, series: dict[str, Series], path: Path) -> list[str]
 
 
 def plot_step_time(series: dict[str, Series], path: Path) -> list[str] | None:
-    """Seconds per step: the RL phases stacked, with the measured total as a line; or SFT's step_time."""
+    """Seconds per step: the RL phases stacked, the rest of the measured total as "other"; or the total alone."""
     phases = [k for k in series if k.startswith("time/") and k.endswith("_s") and k not in NOT_PHASES]
     phases.sort(key=lambda k: (PHASE_ORDER.index(_phase(k)) if _phase(k) in PHASE_ORDER else len(PHASE_ORDER), k))
-    total_key = "time/step_s" if "time/step_s" in series else ("step_time" if "step_time" in series else None)
+    total_key = "time/step_s" if "time/step_s" in series else None
     if not phases:
         if total_key is None:
             return None

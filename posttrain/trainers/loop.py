@@ -2,8 +2,8 @@
 
 A trainer owns its step (what a batch is, what the loss is); `run_steps` owns everything around it:
 the progress bar (loss, lr, tokens/s), timing, metrics records, periodic evaluation and
-checkpoints. A step function does one whole optimizer step and returns its metrics, which must
-include `loss` and `tokens` (tokens processed, for throughput).
+checkpoints. A step function does one whole step and returns its metrics, with `loss` and `tokens`
+(tokens processed, for throughput) where it has them.
 """
 
 from __future__ import annotations
@@ -105,33 +105,50 @@ def run_steps(
     desc: str = "train",
     postfix: dict[str, str] | None = None,
     start_step: int = 0,
+    should_stop: Callable[[int], bool] | None = None,
+    budget_s: float | None = None,
+    started: float | None = None,
+    reserve_s: float = 0.0,
 ) -> dict[str, float]:
     """Run steps `start_step`..`max_steps - 1` (a resumed run starts past 0); returns the last step's record.
 
     Records are written under step numbers 1..max_steps (the count of finished updates) with `lr`
-    (the rate that step used), `step_time` (s) and `tokens_per_s` added to the step's own metrics.
+    (the rate that step used), `time/step_s` and `tokens/train_per_s` (from the step's `tokens`) added
+    to the step's own metrics, unless the step measured them itself (RL times its phases and its update).
     `save_fn(step)` runs every `save_every` steps (not after the last: the caller saves the final
     model); `eval_fn()` every `eval_every` steps and after the last one, its metrics logged too.
     `postfix` adds the trainer's headline metrics to the bar: {label: metric key} (a key the step
     does not return is left out), e.g. DPO's pairwise accuracy and margin next to the loss.
+    `should_stop(steps_done)` is asked before every step (RL's time budget); True ends the run there.
+    `budget_s` (counted from `started`, less the `reserve_s` kept after the last step) is the time bound the
+    progress bar weighs against `max_steps` (trainers.progress); the stop itself is `should_stop`'s.
     """
     record: dict[str, float] = {}
-    bar = StepProgress(max_steps, enabled=progress, desc=desc, start_step=start_step)
+    bar = StepProgress(max_steps, budget_s=budget_s, enabled=progress, desc=desc, start_step=start_step,
+                       started=started, reserve_s=reserve_s)
     try:
         for step in range(start_step, max_steps):
+            if should_stop is not None and should_stop(step):
+                break
             lr = optimizer.param_groups[0]["lr"]
             start = time.perf_counter()
             out = step_fn(step)
             elapsed = time.perf_counter() - start
             done = step + 1
-            record = {**out, "lr": lr, "step_time": elapsed, "tokens_per_s": out["tokens"] / elapsed}
+            measured = {"lr": lr, "time/step_s": elapsed}
+            if "tokens" in out:
+                measured["tokens/train_per_s"] = out["tokens"] / elapsed
+            record = {**out, **{key: value for key, value in measured.items() if key not in out}}
             if eval_fn is not None and ((eval_every and done % eval_every == 0) or done == max_steps):
                 record.update(eval_fn())
             if metrics is not None and (done % log_every == 0 or done == max_steps or "eval_loss" in record):
                 metrics.log(done, record)
-            shown = {"loss": f"{out['loss']:.4f}"}
+            shown = {"loss": f"{out['loss']:.4f}"} if "loss" in out else {}
             shown.update({label: f"{float(out[key]):.3g}" for label, key in (postfix or {}).items() if key in out})
-            bar.set_postfix(**shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            shown["lr"] = f"{lr:.2e}"
+            if "tokens/train_per_s" in record:
+                shown["tok_s"] = f"{record['tokens/train_per_s']:.0f}"
+            bar.set_postfix(**shown)
             bar.step_done(done)
             if save_fn is not None and save_every and done % save_every == 0 and done != max_steps:
                 save_fn(done)

@@ -37,18 +37,19 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
 from posttrain.distributed.env import barrier, broadcast_object, is_main, reduce_metrics
 from posttrain.distributed.lockstep import Lockstep
 from posttrain.errors import PosttrainError
 from posttrain.trainers.adapters import save_final_dir, save_final_parallel
+from posttrain.trainers.loop import run_steps
 from posttrain.trainers.ppo import ppo_advantages, save_value_head, whiten_over_ranks
 from posttrain.trainers.rl_config import GRPOConfig, PPOConfig, RLConfig, batch_sizes
-from posttrain.trainers.progress import StepProgress
-from posttrain.trainers.rl_metrics import StepTimer, batch_metrics, headline, peak_memory_gb
+from posttrain.trainers.rl_metrics import StepTimer, batch_metrics, peak_memory_gb
 from posttrain.trainers.rl_run import RLRun, setup_run
-from posttrain.trainers.rl_update import StepBatch, prepare_batch, scoring_pass, update_policy
+from posttrain.trainers.rl_update import StepBatch, UpdateTargets, prepare_batch, scoring_pass, update_policy
 from posttrain.trainers.rollout import collect_rollout, evaluate, prompt_seed_base
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -162,8 +163,9 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
         behaviour = old if old is not None else data.rollout_logprobs
         adv, returns, adv_metrics = _advantages(run, data, behaviour, ref, values, loss_mask)
     metrics.update(adv_metrics)
+    targets = UpdateTargets(adv, loss_mask, old_logprobs=old, ref_logprobs=ref, old_values=values, returns=returns)
     with timer("update"):
-        update_metrics, train_tokens = update_policy(run, step, data, adv, old, ref, values, returns, loss_mask)
+        update_metrics, train_tokens = update_policy(run, step, data, targets)
     metrics.update(update_metrics)
     metrics["tokens/train_per_s"] = train_tokens / max(timer.seconds["update"], 1e-9)
     metrics["policy_version"] = run.llm.policy_version
@@ -183,7 +185,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the run
 
 
-def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
+def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
     if not run.held_out:
         return {}
     start = time.perf_counter()
@@ -199,8 +201,8 @@ def _evaluate(run: RLRun, step: int, bar: Any) -> dict[str, Any]:
     with open(run.run_dir / f"eval-step{step:05d}.jsonl", "w", encoding="utf-8") as f:
         for sample in samples:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-    bar.write(f"step {step}: held-out greedy accuracy {metrics['eval/accuracy']:.3f} "
-              f"({len(run.held_out)} prompts, {metrics['time/eval_s']:.1f}s)")
+    tqdm.write(f"step {step}: held-out greedy accuracy {metrics['eval/accuracy']:.3f} "
+               f"({len(run.held_out)} prompts, {metrics['time/eval_s']:.1f}s)")
     return metrics
 
 
@@ -220,54 +222,67 @@ def _save_final(run: RLRun) -> Path:
     return out
 
 
+# What the progress bar shows beside the loss, lr and tokens/s: {label: metric key}
+HEADLINE = {"reward": "reward/mean", "acc": "eval/accuracy", "len": "response_len/mean", "s/step": "time/step_s"}
+
+
+def _run_steps(run: RLRun, started: float, eval_s: float, desc: str) -> int:
+    """`rl_step` from the run's start to train.max_steps through the shared step loop (bar, records, checkpoints),
+    whose stop hook ends the run when the next step, the final evaluation (about `eval_s`) and the save no
+    longer fit in train.max_minutes counted from `started`; returns the steps done. The periodic evaluations
+    run inside the step (their metrics join its record); the final one is the caller's, after a stop too."""
+    cfg = run.cfg
+    budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes is not None else math.inf
+    # What the budget keeps after the last step: the final evaluation (as long as the first, and a margin) and
+    # the save. The stop rule leaves it out, and so does the progress bar's projection of the steps.
+    reserve_s = eval_s * 1.2 + 10
+    step_times: list[float] = []
+    done = run.start_step
+
+    def step(index: int) -> dict[str, Any]:
+        nonlocal done
+        metrics = rl_step(run, index + 1)
+        done = index + 1
+        step_times.append(metrics["time/step_s"])
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.max_steps:
+            metrics.update(_evaluate(run, done))
+        metrics["time/elapsed_min"] = (time.perf_counter() - started) / 60
+        run.history.append(metrics)
+        return metrics
+
+    def out_of_time(steps_done: int) -> bool:
+        elapsed = time.perf_counter() - started
+        next_step = max(step_times[-3:]) if step_times else 0.0
+        # the step, the final eval and the save fit; rank 0's clock decides for every rank
+        if not broadcast_object(elapsed + next_step + reserve_s > budget_s):
+            return False
+        tqdm.write(f"time budget of {cfg.train.max_minutes} min reached after {steps_done} steps")
+        return True
+
+    run_steps(step, max_steps=cfg.train.max_steps, optimizer=run.optimizer, metrics=run.logger,
+              save_every=cfg.train.save_every, save_fn=run.checkpointer.save, progress=cfg.log.progress and is_main(),
+              desc=desc, postfix=HEADLINE, start_step=run.start_step, should_stop=out_of_time,
+              budget_s=budget_s, started=started, reserve_s=reserve_s)
+    return done
+
+
 def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
     """Run the RL loop to max_steps or the time budget; returns the run directory."""
     started = time.perf_counter()
     run = setup_run(cfg, command, model=model, tokenizer=tokenizer)
-    budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes is not None else math.inf
-    # Drawn against whichever ends the run first: max_steps, or the time budget at the pace of the steps so far.
-    bar = StepProgress(cfg.train.max_steps, budget_s=budget_s, enabled=cfg.log.progress and is_main(),
-                       desc=f"{command} ({run.algo.name})", start_step=run.start_step, started=started)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
     try:
         eval_s = 0.0
         if cfg.eval.before and run.held_out and run.start_step == 0:
-            before = _evaluate(run, 0, bar)
+            before = _evaluate(run, 0)
             eval_s = before["time/eval_s"]
             if run.logger is not None:
                 run.logger.log(0, before)
             summary["accuracy_before"] = before["eval/accuracy"]
-        # What the budget keeps after the last step: the final evaluation (as long as the first, and a margin) and
-        # the save. The bar projects the steps into the rest; its pace counts the steps (and their evaluations),
-        # not the evaluation before them.
-        reserve_s = eval_s * 1.2 + 10
-        bar.reserve_s = reserve_s
-        bar.mark_start()
-        step_times: list[float] = []
-        step = run.start_step
-        for step in range(run.start_step + 1, cfg.train.max_steps + 1):
-            elapsed = time.perf_counter() - started
-            next_step = max(step_times[-3:]) if step_times else 0.0
-            # the step, the final eval and the save fit; rank 0's clock decides for every rank
-            if broadcast_object(elapsed + next_step + reserve_s > budget_s):
-                bar.write(f"time budget of {cfg.train.max_minutes} min reached after {step - 1} steps")
-                step -= 1
-                break
-            metrics = rl_step(run, step)
-            step_times.append(metrics["time/step_s"])
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
-                metrics.update(_evaluate(run, step, bar))
-            metrics["time/elapsed_min"] = (time.perf_counter() - started) / 60
-            if run.logger is not None:
-                run.logger.log(step, metrics)
-            run.history.append(metrics)
-            bar.set_postfix_str(headline(metrics))
-            bar.step_done(step)
-            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.max_steps:
-                run.checkpointer.save(step)
+        step = _run_steps(run, started, eval_s, desc=f"{command} ({run.algo.name})")
         summary["steps"] = step
         if run.held_out:
-            after = _evaluate(run, step, bar)
+            after = _evaluate(run, step)
             if run.logger is not None:
                 run.logger.log(step, after)
             summary["accuracy_after"] = after["eval/accuracy"]
@@ -277,7 +292,6 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
         if is_main():
             (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     finally:
-        bar.close()
         if run.logger is not None:
             run.logger.close()
     if "accuracy_after" in summary and is_main():

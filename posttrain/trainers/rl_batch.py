@@ -54,6 +54,33 @@ class PackedGroups:
         out = flat.new_full((self.num_samples, self.max_len), fill)
         return out.index_put((self.sample_index, self.token_index), flat)
 
+    def select(self, groups: list[int]) -> PackedGroups:
+        """The pack of some of its groups (rows, ascending), cut out of this one: the tensors `pack_groups`
+        would build from those groups alone, without packing anything again."""
+        T = self.input_ids.shape[1]
+        rows = torch.tensor(groups, dtype=torch.long, device=self.input_ids.device)  # (R',)
+        lengths = self.mask[rows, 0, :, 0].sum(-1)  # (R',) real tokens: those that see the prompt's first token
+        width = int(lengths.max())
+        new_row = torch.full((self.input_ids.shape[0],), -1, dtype=torch.long, device=rows.device)  # (R,)
+        new_row[rows] = torch.arange(len(groups), device=rows.device)
+        token_row = new_row[self.gather_index // T]  # (N,) each token's row in the selection, -1: left out
+        kept = token_row >= 0  # (N,)
+        samples = torch.unique(self.sample_index[kept])  # (B',) ascending: group by group, as pack_groups numbers
+        new_sample = torch.full((self.num_samples,), -1, dtype=torch.long, device=rows.device)  # (B,)
+        new_sample[samples] = torch.arange(len(samples), device=rows.device)
+        completion_mask = self.completion_mask[samples]  # (B', L)
+        return PackedGroups(
+            input_ids=self.input_ids[rows, :width],
+            positions=self.positions[rows, :width],
+            mask=self.mask[rows][:, :, :width, :width],
+            gather_index=token_row[kept] * width + self.gather_index[kept] % T,
+            labels=self.labels[kept],
+            sample_index=new_sample[self.sample_index[kept]],
+            token_index=self.token_index[kept],
+            completion_mask=completion_mask[:, : int(completion_mask.sum(1).max())],
+            num_input_tokens=int(lengths.sum()),
+        )
+
 
 def pack_groups(
     prompts: list[list[int]], completions: list[list[list[int]]], device: torch.device | str = "cpu"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from posttrain.algos.objective import ObjectiveParams
 from posttrain.distributed.config import DistSection
 from posttrain.engine.config import EngineConfig
 from posttrain.errors import ConfigError
@@ -386,6 +387,17 @@ def resolve_algorithm(cfg: RLConfig) -> ResolvedAlgorithm:
         dynamic_sampling=preset.dynamic_sampling if dapo.dynamic_sampling is None else dapo.dynamic_sampling,
         overlong_penalty=preset.overlong_penalty if dapo.overlong_penalty is None else dapo.overlong_penalty,
         uses_value_head=is_ppo,
+    )
+
+
+def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm) -> ObjectiveParams:
+    """The update's loss hyperparameters, read from the config once: the KL is a loss term unless it
+    shapes the reward (kl.in_reward), where the update only measures it."""
+    value = {"value_clip": cfg.ppo.value_clip} if isinstance(cfg, PPOConfig) else {}
+    return ObjectiveParams(
+        policy_loss=algo.policy_loss, aggregation=algo.aggregation, max_len=cfg.rollout.max_tokens,
+        loss_params=algo.loss_kwargs, tis_cap=cfg.train.tis_cap, kl_estimator=cfg.kl.estimator,
+        kl_coef=0.0 if cfg.kl.in_reward else cfg.kl.beta, entropy_coef=cfg.loss.entropy_coef, **value,
     )
 
 

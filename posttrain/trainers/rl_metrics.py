@@ -1,4 +1,4 @@
-"""Step metrics of the RL trainers: timing, memory, batch statistics, the progress bar."""
+"""Step metrics of the RL trainers: timing, memory, batch statistics."""
 
 from __future__ import annotations
 
@@ -75,17 +75,6 @@ def nan_stats(values: torch.Tensor, prefix: str) -> dict[str, float]:
         return {f"{prefix}/mean": math.nan, f"{prefix}/std": math.nan}
     std = float(finite.std()) if finite.numel() > 1 else 0.0
     return {f"{prefix}/mean": float(finite.mean()), f"{prefix}/std": std}
-
-
-def headline(metrics: dict[str, Any]) -> str:
-    """The few numbers the progress bar shows."""
-    parts = []
-    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("eval/accuracy", "acc", ".3f"),
-                            ("response_len/mean", "len", ".1f"), ("time/step_s", "s/step", ".1f")):
-        value = metrics.get(key)
-        if isinstance(value, (int, float)) and not math.isnan(value):
-            parts.append(f"{label}={value:{fmt}}")
-    return " ".join(parts)
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.algos.objective import ObjectiveParams
 from posttrain.distributed.env import is_main
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, open_metrics
@@ -30,6 +31,7 @@ from posttrain.trainers.rl_config import (
     ResolvedAlgorithm,
     RLConfig,
     batch_sizes,
+    objective_params,
     rank_batch_sizes,
     resolve_algorithm,
     validate_tree,
@@ -73,6 +75,8 @@ class RLRun:
     checkpointer: Checkpointer | None = None  # set by setup_run
     start_step: int = 0  # RL steps already done: > 0 when resumed from a checkpoint
     parallel: Parallel | None = None  # set by setup_run: the policy as torchrun's ranks share it
+    objective: ObjectiveParams | None = None  # set by setup_run: the update's loss hyperparameters
+    rank_sizes: tuple[int, int, int] = (0, 0, 0)  # set by setup_run: (batch, minibatch, micro-batch) on this rank
 
     @property
     def device(self) -> torch.device:
@@ -136,7 +140,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
     parallel = Parallel(model, dist_section, ctx, beside=beside)
     try:
-        rank_batch_sizes(cfg, parallel.world)  # every rank the same whole groups, minibatches and micro-batches
+        rank_sizes = rank_batch_sizes(cfg, parallel.world)  # every rank the same whole groups, minibatches, micro-batches
     except ValueError as error:
         raise ConfigError(str(error)) from None
     optim = cfg.optim
@@ -162,7 +166,8 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     logger = open_metrics(run_dir, cfg) if is_main() else None
     run = RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
                 optimizer, scheduler, trainable, logger, value_head, reference,
-                guard=BadStepGuard(cfg.train.max_bad_steps), parallel=parallel)
+                guard=BadStepGuard(cfg.train.max_bad_steps), parallel=parallel,
+                objective=objective_params(cfg, algo), rank_sizes=rank_sizes)
     # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
     # copy was taken above from the initial weights, before any restore.
     run.checkpointer = Checkpointer(

@@ -1,21 +1,28 @@
-"""The update half of an RL step: the step's samples as tensors and packed micro-batches, the no-grad
-scoring passes (reference, pi_old, values), and epochs x minibatches of the policy loss with gradient
-accumulation whose normalisers span the whole minibatch."""
+"""The update half of an RL step: the step's samples as tensors and packed micro-batches (packed once), the
+no-grad scoring passes (reference, pi_old, values), and epochs x minibatches of optimizer steps.
+
+An optimizer step is made of shared pieces: `minibatches` picks its micro-batches; `_minibatch_counts`
+counts its loss denominators over all of them (and every rank) before any forward; the pure objective
+(`posttrain.algos.objective.rl_objective`) gives each micro-batch's loss sums; `accumulate_gradients`
+(as in SFT and DPO) divides those by the minibatch's denominators and backwards them, so the gradient is
+that of the whole minibatch whatever the split."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from posttrain.algos import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, masked_mean, value_loss
+from posttrain.algos import AGGREGATIONS
+from posttrain.algos.objective import rl_objective, sampler_mismatch
 from posttrain.distributed.env import all_reduce_sum, reduce_metrics
 from posttrain.models.moe import moe_blocks, router_loss_and_metrics
+from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.optim import optimizer_step
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups
-from posttrain.trainers.rl_config import rank_batch_sizes
 from posttrain.trainers.rl_metrics import WeightedMeans
 from posttrain.trainers.rl_run import RLRun, policy_forward
 from posttrain.trainers.rollout import RolloutBatch
@@ -28,11 +35,22 @@ class StepBatch:
 
     packs: list[PackedGroups]
     slices: list[slice]  # the samples of each micro-batch
-    mask: Tensor  # (B, L) completion tokens (the loss mask)
-    rollout_logprobs: Tensor  # (B, L)
+    mask: Tensor  # (B, L) completion tokens
+    rollout_logprobs: Tensor  # (B, L) the engine's, at sampling
     rewards: Tensor  # (B,)
-    prompt_ids: list[list[int]]  # (P groups) each group's prompt, to re-pack a subset of its groups
-    groups: list[list[list[int]]]  # (P groups, G) completion ids
+    num_groups: int
+
+
+@dataclass
+class UpdateTargets:
+    """What the update fits, for every sample of the step's batch."""
+
+    advantages: Tensor  # (B,) per sample, or (B, L) per token
+    loss_mask: Tensor  # (B, L) the tokens in the loss (PPO: without the unscorable samples)
+    old_logprobs: Tensor | None = None  # (B, L) pi_old; None: the update's own logprobs, detached
+    ref_logprobs: Tensor | None = None  # (B, L) with kl.beta > 0
+    old_values: Tensor | None = None  # (B, L) PPO: the value head at the rollout's weights
+    returns: Tensor | None = None  # (B, L) PPO: the value targets
 
 
 def _pad(rows: list[list[float]], width: int, device: torch.device) -> Tensor:
@@ -44,8 +62,7 @@ def _pad(rows: list[list[float]], width: int, device: torch.device) -> Tensor:
 
 def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     G = batch.group_size
-    world = run.parallel.world if run.parallel is not None else 1
-    micro = rank_batch_sizes(run.cfg, world)[2] // G  # groups per micro-batch
+    micro = run.rank_sizes[2] // G  # groups per micro-batch
     groups = batch.group_completions()
     packs, slices = [], []
     for g0 in range(0, batch.num_groups, micro):
@@ -56,7 +73,7 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     L = max(lengths)
     mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).float().to(run.device)  # (B, L)
     return StepBatch(packs, slices, mask, _pad(batch.rollout_logprobs, L, run.device), batch.rewards.to(run.device),
-                     batch.prompt_ids, groups)
+                     batch.num_groups)
 
 
 @torch.no_grad()
@@ -80,134 +97,117 @@ def scoring_pass(run: RLRun, data: StepBatch, module: nn.Module, with_values: bo
     return logprobs, values
 
 
-def _share(aggregation: str, mask: Tensor, totals: dict[str, float]) -> float:
-    """This micro-batch's part of the minibatch normaliser, so that summing micro-batch losses gives
-    exactly the aggregation over the whole minibatch."""
-    if aggregation == "token-mean":
-        return float(mask.sum()) / max(totals["tokens"], 1.0)
-    if aggregation == "seq-mean-token-sum-norm":
-        return mask.shape[0] / max(totals["rows"], 1.0)
-    return float((mask.sum(1) > 0).sum()) / max(totals["seqs"], 1.0)
-
-
-def update_policy(run: RLRun, step: int, data: StepBatch, adv: Tensor, old: Tensor | None, ref: Tensor | None,
-                  old_values: Tensor | None, returns: Tensor | None, loss_mask: Tensor) -> tuple[dict[str, float], int]:
-    """Epochs x minibatches of optimizer steps; returns the metrics and the tokens processed."""
-    cfg, algo = run.cfg, run.algo
-    parallel = run.parallel
-    world = parallel.world if parallel is not None else 1
-    _, minibatch, micro = rank_batch_sizes(cfg, world)  # this rank's share
-    per_minibatch = max(minibatch // micro, 1)  # this rank's micro-batches of each minibatch
-    scale = parallel.loss_scale if parallel is not None else 1.0
-    policy_loss = POLICY_LOSSES[algo.policy_loss]
-    aggregate = AGGREGATIONS[algo.aggregation]
-    means = WeightedMeans()
-    tokens = 0
-    first_update = True
-    plan = _trained_packs(run, data, adv, ref)
-    means.add({"update/skipped_group_frac": sum(p.skipped_groups for p in plan) / len(data.groups)}, 1.0)
-    run.model.train()
-    for epoch in range(cfg.train.epochs):
-        order = list(range(len(data.packs)))
+def minibatches(num_micro: int, per_minibatch: int, epochs: int) -> Iterator[list[int]]:
+    """The micro-batches of each optimizer step, epoch after epoch; epochs after the first shuffle them
+    (torch's generator)."""
+    for epoch in range(epochs):
+        order = list(range(num_micro))
         if epoch > 0:
             order = [order[i] for i in torch.randperm(len(order)).tolist()]
         for start in range(0, len(order), per_minibatch):
-            chosen = order[start : start + per_minibatch]
-            masks = [loss_mask[data.slices[m], : data.packs[m].max_len] for m in chosen]
-            totals = {"tokens": float(sum(m.sum() for m in masks)),
-                      "seqs": float(sum((m.sum(1) > 0).sum() for m in masks)),
-                      "rows": float(sum(m.shape[0] for m in masks))}
-            # The minibatch is every rank's micro-batches: its normalisers are counted over all of them.
-            totals = reduce_metrics(totals, set(totals), run.device)
-            run.optimizer.zero_grad(set_to_none=True)
-            # The minibatch's loss and its logged parts, each the sum of its micro-batch terms (each already
-            # normalised by the whole minibatch). A group left out for zero advantage would add exactly 0, so
-            # these sums equal the full pass's; a mean over the micro-batches that ran would not.
-            parts = ["loss/policy"] + (["loss/value"] if run.value_head is not None else [])
-            sums = dict.fromkeys(["loss", *parts], 0.0)
-            if all(plan[m].pack is None for m in chosen):
-                # Nothing to differentiate, yet the optimizer still steps (Adam's moments and weight decay
-                # move the weights) exactly as with the zero gradient the full pass would have given.
-                for param in run.trainable:
-                    param.grad = torch.zeros_like(param)
-            for index, m in enumerate(chosen):
-                pack, rows = plan[m].pack, plan[m].rows
-                if pack is None:  # every group of this micro-batch has zero advantage: zero gradient
-                    continue
-                with parallel.grad_sync(index == len(chosen) - 1) if parallel is not None else nullcontext():
-                    Lm = pack.max_len
-                    mask = loss_mask[rows, :Lm]
-                    out = policy_forward(run, run.model, pack, with_entropy=True,
-                                         entropy_grad=cfg.loss.entropy_coef > 0, value_head=run.value_head)
-                    logprobs = out.logprobs  # (b, Lm)
-                    old_m = old[rows, :Lm] if old is not None else logprobs.detach()
-                    adv_m = adv[rows] if adv.dim() == 1 else adv[rows, :Lm]
-                    per_token, metrics = policy_loss(logprobs, old_m, adv_m, mask, **algo.loss_kwargs)
-                    rollout_m = data.rollout_logprobs[rows, :Lm]
-                    if first_update:
-                        diff = (logprobs.detach() - rollout_m).abs() * mask
-                        metrics["mismatch/abs_diff_mean"] = masked_mean(diff, mask)
-                        metrics["mismatch/abs_diff_max"] = diff.max()
-                    if cfg.train.tis_cap is not None:
-                        weight = torch.exp(old_m - rollout_m).clamp(max=cfg.train.tis_cap).detach()  # (b, Lm)
-                        per_token = per_token * weight
-                        metrics["tis/weight_mean"] = masked_mean(weight, mask)
-                    if ref is not None:
-                        kl = KL_ESTIMATORS[cfg.kl.estimator](logprobs, ref[rows, :Lm])  # (b, Lm)
-                        metrics["kl"] = masked_mean(kl.detach(), mask)
-                        if not cfg.kl.in_reward:
-                            per_token = per_token + cfg.kl.beta * kl
-                    if cfg.loss.entropy_coef > 0:
-                        per_token = per_token - cfg.loss.entropy_coef * out.entropy
-                    metrics["entropy"] = masked_mean(out.entropy.detach(), mask)
-                    loss = aggregate(per_token, mask, max_len=cfg.rollout.max_tokens) * _share(algo.aggregation, mask, totals)
-                    sums["loss/policy"] += float(loss.detach())
-                    if run.value_head is not None:
-                        v_loss, v_metrics = value_loss(out.values, old_values[rows, :Lm], returns[rows, :Lm], mask,
-                                                       clip_eps=cfg.ppo.value_clip)
-                        v_loss = AGGREGATIONS["token-mean"](v_loss, mask) * _share("token-mean", mask, totals)
-                        loss = loss + cfg.ppo.vf_coef * v_loss
-                        metrics.update(v_metrics)
-                        sums["loss/value"] += float(v_loss.detach())
-                        metrics["value/mean"] = masked_mean(out.values.detach(), mask)
-                    # Mixture-of-experts models: + the router's load-balancing loss (a token mean), router/* metrics.
-                    # Real tokens of a packed row are those that see its first (prompt) token; padding sees itself only.
-                    router_loss, router_metrics = router_loss_and_metrics(run.model, pack.mask[:, 0, :, 0])
-                    if router_loss is not None:
-                        loss = loss + router_loss * _share("token-mean", mask, totals)
-                    metrics.update(router_metrics)
-                    (loss * scale if scale != 1.0 else loss).backward()  # scale: see posttrain.distributed.parallel
-                    sums["loss"] += float(loss.detach())
-                    tokens += pack.num_input_tokens
-                    means.add(metrics, float(mask.sum()))  # diagnostics: over the samples that trained
-            if world > 1:  # each rank holds its part of the globally-normalised minibatch sums
-                reduced = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=run.device))
-                sums = dict(zip(sums, reduced.tolist()))
-            minibatch_loss = sums.pop("loss")
-            means.add(sums, totals["tokens"])  # the parts: token-weighted over the minibatches
-            lr = run.scheduler.get_last_lr()[0]
-            grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
-                                                loss=minibatch_loss)
-            if run.guard is not None:
-                run.guard.record(step, applied, minibatch_loss, grad_norm)
-            means.add({"loss": minibatch_loss, "grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not applied)},
-                      1.0)
-            run.optimizer_steps += 1
-            run.llm.weights_updated()  # the engine's next rollout runs on the new weights
-            first_update = False
+            yield order[start : start + per_minibatch]
+
+
+def update_policy(run: RLRun, step: int, data: StepBatch, targets: UpdateTargets) -> tuple[dict[str, float], int]:
+    """Epochs x minibatches of optimizer steps; returns the metrics and the tokens processed."""
+    _, minibatch, micro = run.rank_sizes
+    means, tokens = WeightedMeans(), 0
+    plan = _trained_packs(run, data, targets.advantages)
+    means.add({"update/skipped_group_frac": sum(p.skipped_groups for p in plan) / data.num_groups}, 1.0)
+    run.model.train()
+    for update, chosen in enumerate(minibatches(len(plan), max(minibatch // micro, 1), run.cfg.train.epochs)):
+        counts = _minibatch_counts(run, [targets.loss_mask[data.slices[m], : data.packs[m].max_len] for m in chosen])
+        denominators = {key: max(count, 1.0) for key, count in counts.items()}
+        run.optimizer.zero_grad(set_to_none=True)
+        trained = [plan[m] for m in chosen if plan[m].pack is not None]  # a zero-advantage micro-batch adds 0
+        if not trained:
+            # Nothing to differentiate, yet the optimizer still steps (Adam's moments and weight decay
+            # move the weights) exactly as with the zero gradient the full pass would have given.
+            for param in run.trainable:
+                param.grad = torch.zeros_like(param)
+        out = accumulate_gradients(
+            trained, lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),
+            denominators, run.parallel)
+        tokens += out.pop("tokens", 0)
+        _optimizer_step(run, step, out, counts["tokens"], means)
     run.model.eval()
     return means.result(), tokens
 
 
-def _trained_packs(run: RLRun, data: StepBatch, adv: Tensor, ref: Tensor | None) -> list[TrainedPack]:
+def _minibatch_counts(run: RLRun, masks: list[Tensor]) -> dict[str, float]:
+    """The minibatch's loss denominators from its micro-batches' (b, L) loss masks, summed over every rank:
+    the policy term's (its aggregation's count) and the tokens (the value and router losses are token means)."""
+    aggregation, max_len = AGGREGATIONS[run.objective.aggregation], run.objective.max_len
+    counts = {"policy": float(sum(aggregation.denominator(m, max_len) for m in masks)),
+              "tokens": float(sum(m.sum() for m in masks))}
+    return reduce_metrics(counts, set(counts), run.device)
+
+
+def _micro_loss(run: RLRun, data: StepBatch, targets: UpdateTargets, micro: TrainedPack, denominators: dict[str, float],
+                means: WeightedMeans, first: bool) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """One micro-batch's forward and objective: its loss sums by denominator (see `_minibatch_counts`), and its
+    parts of the logged losses; the diagnostics go to `means`, weighted by the micro-batch's tokens."""
+    pack, rows, L = micro.pack, micro.rows, micro.pack.max_len
+
+    def take(per_token: Tensor | None) -> Tensor | None:  # (B, L) -> this micro-batch's (b, L_m)
+        return None if per_token is None else per_token[rows, :L]
+
+    mask, rollout, adv = take(targets.loss_mask), take(data.rollout_logprobs), targets.advantages
+    out = policy_forward(run, run.model, pack, with_entropy=True, entropy_grad=run.objective.entropy_coef > 0,
+                         value_head=run.value_head)
+    objective = rl_objective(out.logprobs, adv[rows] if adv.dim() == 1 else take(adv), mask, run.objective,
+                             old_logprobs=take(targets.old_logprobs), rollout_logprobs=rollout,
+                             ref_logprobs=take(targets.ref_logprobs), entropy=out.entropy, values=out.values,
+                             old_values=take(targets.old_values), returns=take(targets.returns))
+    metrics = objective.metrics
+    if first:  # the trainer-engine difference, at the weights that sampled
+        metrics.update(sampler_mismatch(out.logprobs, rollout, mask))
+    sums = {"policy": objective.policy.sum}
+    logged = {"loss/policy": float(objective.policy.sum.detach()) / denominators["policy"],
+              "tokens": pack.num_input_tokens}
+    by_token = []
+    if objective.value is not None:
+        by_token.append(run.cfg.ppo.vf_coef * objective.value.sum)
+        logged["loss/value"] = float(objective.value.sum.detach()) / denominators["tokens"]
+    # Mixture-of-experts models: + the router's load-balancing loss (a token mean), router/* metrics.
+    # Real tokens of a packed row are those that see its first (prompt) token; padding sees itself only.
+    router_loss, router_metrics = router_loss_and_metrics(run.model, pack.mask[:, 0, :, 0])
+    if router_loss is not None:
+        by_token.append(router_loss * mask.sum())
+    metrics.update(router_metrics)
+    if by_token:
+        sums["tokens"] = sum(by_token[1:], by_token[0])
+    means.add(metrics, float(mask.sum()))  # diagnostics: over the samples that trained
+    return sums, logged
+
+
+def _optimizer_step(run: RLRun, step: int, out: dict[str, float], tokens: float, means: WeightedMeans) -> None:
+    """The optimizer step on the accumulated minibatch gradient; its losses go to `means`, the parts
+    weighted by the minibatch's `tokens`."""
+    sums = {"loss": out["loss"], "loss/policy": out.get("loss/policy", 0.0)}
+    if run.value_head is not None:
+        sums["loss/value"] = out.get("loss/value", 0.0)
+    if run.parallel is not None and run.parallel.world > 1:  # each rank holds its part of the minibatch sums
+        reduced = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=run.device))
+        sums = dict(zip(sums, reduced.tolist()))
+    minibatch_loss = sums.pop("loss")
+    means.add(sums, tokens)
+    lr = run.scheduler.get_last_lr()[0]
+    grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, run.cfg.optim.max_grad_norm, loss=minibatch_loss)
+    if run.guard is not None:
+        run.guard.record(step, applied, minibatch_loss, grad_norm)
+    means.add({"loss": minibatch_loss, "grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not applied)}, 1.0)
+    run.optimizer_steps += 1
+    run.llm.weights_updated()  # the engine's next rollout runs on the new weights
+
+
+def _trained_packs(run: RLRun, data: StepBatch, adv: Tensor) -> list[TrainedPack]:
     """The micro-batches the update runs: all of them, or without their zero-advantage groups when
     those contribute exactly no gradient (see posttrain.trainers.zero_advantage)."""
-    cfg = run.cfg
-    free = zero_advantage_is_free(adv, kl_loss=ref is not None and not cfg.kl.in_reward,
-                                  entropy_coef=cfg.loss.entropy_coef, value_head=run.value_head is not None,
-                                  router_loss=bool(moe_blocks(run.model)))
+    cfg, params = run.cfg, run.objective
+    free = zero_advantage_is_free(adv, kl_loss=params.kl_coef > 0, entropy_coef=params.entropy_coef,
+                                  value_head=run.value_head is not None, router_loss=bool(moe_blocks(run.model)))
     if not (cfg.train.skip_zero_advantage and free):
         return [TrainedPack(pack, rows, 0) for pack, rows in zip(data.packs, data.slices)]
-    return trained_packs(data.packs, data.slices, adv, data.prompt_ids, data.groups,
-                         cfg.rollout.samples_per_prompt,
+    return trained_packs(data.packs, data.slices, adv, cfg.rollout.samples_per_prompt,
                          keep_one=run.parallel is not None and run.parallel.world > 1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.trainers.rl_batch import PackedGroups, pack_groups
+from posttrain.trainers.rl_batch import PackedGroups
 
 
 @dataclass
@@ -42,9 +42,10 @@ def zero_advantage_is_free(adv: Tensor, *, kl_loss: bool, entropy_coef: float, v
     return adv.dim() == 1 and not kl_loss and entropy_coef == 0 and not value_head and not router_loss
 
 
-def trained_packs(packs: list[PackedGroups], slices: list[slice], adv: Tensor, prompt_ids: list[list[int]],
-                  groups: list[list[list[int]]], group_size: int, keep_one: bool) -> list[TrainedPack]:
-    """Each micro-batch with its all-zero-advantage groups taken out (adv (B,), one value per sample).
+def trained_packs(packs: list[PackedGroups], slices: list[slice], adv: Tensor, group_size: int,
+                  keep_one: bool) -> list[TrainedPack]:
+    """Each micro-batch with its all-zero-advantage groups taken out (adv (B,), one value per sample), cut
+    out of its pack (`PackedGroups.select`).
 
     keep_one: never leave a micro-batch empty (torchrun: collectives need every rank's passes).
     """
@@ -62,8 +63,8 @@ def trained_packs(packs: list[PackedGroups], slices: list[slice], adv: Tensor, p
         if not kept:
             out.append(TrainedPack(None, rows, last - first))
             continue
+        trimmed = pack.select([g - first for g in kept])
         device = pack.input_ids.device
-        trimmed = pack_groups([prompt_ids[g] for g in kept], [groups[g] for g in kept], device)
         index = torch.tensor([g * G + j for g in kept for j in range(G)], dtype=torch.long, device=device)
         out.append(TrainedPack(trimmed, index, last - first - len(kept)))
     return out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posttrain.config import load_config
-from posttrain.trainers import rl
+from posttrain.trainers import loop, rl
 from posttrain.trainers.loop import run_steps
 from posttrain.trainers.progress import StepProgress, outlook
 from posttrain.trainers.rl_config import GRPOConfig
@@ -124,7 +124,7 @@ def test_the_rl_loop_gives_the_bar_its_time_budget(tmp_path, monkeypatch):
             super().step_done(done)
             self.steps.append(done)
 
-    monkeypatch.setattr(rl, "StepProgress", Recording)
+    monkeypatch.setattr(loop, "StepProgress", Recording)  # the shared step loop draws the RL bar too
     tok = tokenizer()
     cfg = load_config(GRPOConfig, None, [
         f"out={tmp_path / 'run'}", f"reward.functions=[{reward_file(tmp_path)}:char_mix]", "rollout.prompts_per_step=2",

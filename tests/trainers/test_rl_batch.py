@@ -87,3 +87,21 @@ def test_recomputed_logprobs_equal_engine_rollout_logprobs() -> None:
     for b, sample in enumerate(s for o in outs for s in o.outputs):
         engine = torch.tensor(sample.logprobs)
         assert (ours[b, : len(engine)] - engine).abs().max() <= 1e-4
+
+
+def test_selecting_groups_of_a_pack_is_packing_them_alone() -> None:
+    """`PackedGroups.select` (the update's micro-batches without their zero-advantage groups) gives exactly
+    the tensors `pack_groups` builds from those groups: nothing is packed twice."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 2, 7, 3)]
+    completions = [[torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
+                   for lengths in ((3, 1, 4), (6, 2, 2), (1, 1, 5), (2, 7, 3))]
+    pack = pack_groups(prompts, completions)
+    for groups in ([0], [1, 3], [0, 2, 3], [2], [0, 1, 2, 3]):
+        selected = pack.select(groups)
+        alone = pack_groups([prompts[g] for g in groups], [completions[g] for g in groups])
+        for name in ("input_ids", "positions", "mask", "gather_index", "labels", "sample_index", "token_index",
+                     "completion_mask"):
+            a, b = getattr(selected, name), getattr(alone, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (groups, name)
+        assert selected.num_input_tokens == alone.num_input_tokens

@@ -155,6 +155,24 @@ def test_train_grpo_end_to_end_writes_the_run(tmp_path: Path, tok) -> None:
     assert (run_dir / "final" / "config.json").is_file() and (run_dir / "summary.json").is_file()
 
 
+def test_time_budget_starts_no_step_that_would_not_fit(tmp_path: Path, tok, monkeypatch, capsys) -> None:
+    """A step is started only if it (as long as the slowest of the last three), the final evaluation and the
+    save fit in train.max_minutes: after a first step reported to take 100 s, a 1-minute run stops there,
+    still evaluates and saves, and says why."""
+    import posttrain.trainers.rl as rl
+
+    real_step = rl.rl_step
+    monkeypatch.setattr(rl, "rl_step", lambda run, step: {**real_step(run, step), "time/step_s": 100.0})
+    overrides = _overrides(tmp_path, "budget", "train.max_steps=5", "train.max_minutes=1", "data.eval_size=2")
+    run_dir = train_grpo(load_config(GRPOConfig, None, overrides), model=tiny_model(tok), tokenizer=tok)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/mean" in r] == [1]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 1]  # before, and after the last step
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+    assert (run_dir / "final" / "config.json").is_file()
+    assert "time budget of 1.0 min reached after 1 steps" in capsys.readouterr().out
+
+
 def test_train_ppo_end_to_end_saves_the_value_head(tmp_path: Path, tok) -> None:
     overrides = _overrides(tmp_path, "ppo-e2e", "train.max_steps=1", "train.minibatch_size=4", "train.epochs=1")
     run_dir = train_ppo(load_config(PPOConfig, None, overrides), model=tiny_model(tok), tokenizer=tok)

@@ -122,7 +122,7 @@ def test_cli_end_to_end(model_dir, data_file, tmp_path, capsys):
     assert config.train.max_steps == 3 and config.data.columns == {"prompt": "question", "completion": "answer"}
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "tokens", "loss_tokens"):
+    for key in ("loss", "lr", "grad_norm", "tokens/train_per_s", "time/step_s", "tokens", "loss_tokens"):
         assert all(key in r for r in records), key
     assert "eval_loss" in records[-1]
     report = json.loads((out / "data_report.json").read_text())

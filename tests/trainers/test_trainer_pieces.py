@@ -92,7 +92,7 @@ def test_run_steps_logs_records_saves_and_evaluates(tmp_path):
                          eval_every=4, eval_fn=lambda: {"eval_loss": 0.25}, progress=False)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [2, 4, 5]
-    assert records[0]["loss"] == 0.5 and records[0]["lr"] == 0.5 and records[0]["tokens_per_s"] > 0
+    assert records[0]["loss"] == 0.5 and records[0]["lr"] == 0.5 and records[0]["tokens/train_per_s"] > 0
     assert "eval_loss" in records[1] and "eval_loss" in records[2] and last["eval_loss"] == 0.25
     assert saved == [2, 4]
 
@@ -111,3 +111,52 @@ def test_checkpoints_are_hf_dirs_and_pruned(tmp_path):
         save_checkpoint(model, tok, tmp_path, step, keep_last=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
     assert (tmp_path / "checkpoints" / "step-3" / "tokenizer.json").is_file()
+
+
+def test_accumulating_named_terms_divides_each_by_its_own_denominator():
+    """Two loss terms with different normalisers (RL: the policy term by its aggregation's count, the value
+    loss by tokens), over three micro-batches: the gradient and the loss of the whole batch at once."""
+    from posttrain.trainers.accumulate import accumulate_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(9, 4, generator=gen, dtype=torch.float64), torch.randn(9, generator=gen, dtype=torch.float64)
+    weight = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def terms(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        pred = x[rows] @ weight
+        return {"policy": (pred * y[rows]).sum(), "value": (pred - y[rows]).square().sum()}
+
+    whole = terms(torch.arange(9))  # normalisers: "policy" as if over 4 sequences, "value" over the 9 rows
+    want_loss = whole["policy"] / 4 + whole["value"] / 9
+    (want_grad,) = torch.autograd.grad(want_loss, weight)
+    micro = [torch.arange(0, 2), torch.arange(2, 5), torch.arange(5, 9)]
+    out = accumulate_gradients(micro, lambda rows: (terms(rows), {"rows": len(rows)}), {"policy": 4.0, "value": 9.0})
+    # float64 sums of 9 terms of size ~1 in another order: a few ulps apart
+    torch.testing.assert_close(weight.grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert out["loss"] == pytest.approx(float(want_loss.detach()), rel=1e-12) and out["rows"] == 9
+    with pytest.raises(ValueError, match="denominator 'value' must be positive"):
+        accumulate_gradients(micro, lambda rows: (terms(rows), {}), {"policy": 4.0, "value": 0.0})
+
+
+def test_run_steps_stops_when_asked_and_keeps_what_a_step_measured_itself(tmp_path):
+    """RL's time budget is a stop hook asked before every step; a step that times its own work (RL) keeps its
+    time/step_s and lr, and a step without loss or tokens (RL's skipped step) is logged as it is."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    asked = []
+
+    def step(index: int) -> dict[str, float]:
+        if index == 1:
+            return {"skipped": 1}
+        return {"loss": 1.0, "tokens": 10, "time/step_s": 123.0, "lr": 0.25}
+
+    def stop(steps_done: int) -> bool:
+        asked.append(steps_done)
+        return steps_done == 3
+
+    with MetricsLogger(tmp_path) as metrics:
+        last = run_steps(step, max_steps=10, optimizer=optimizer, metrics=metrics, progress=False, should_stop=stop,
+                         start_step=1)
+    records = read_metrics(tmp_path)
+    assert asked == [1, 2, 3] and [r["step"] for r in records] == [2, 3] and last["loss"] == 1.0
+    assert records[0]["skipped"] == 1 and "tokens/train_per_s" not in records[0] and records[0]["lr"] == 0.5
+    assert records[1]["time/step_s"] == 123.0 and records[1]["lr"] == 0.25 and records[1]["tokens/train_per_s"] > 0

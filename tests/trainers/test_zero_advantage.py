@@ -36,7 +36,7 @@ def test_trained_packs_drop_dead_groups_and_keep_rows_aligned(tok) -> None:
     adv = torch.tensor([1.0, -1.0, 0.0] + [0.0] * G * 3 + [0.5, 0.0, -0.5] + [0.0, 2.0, -2.0])
     packs = [pack_groups(prompts[g : g + 2], completions[g : g + 2]) for g in (0, 2, 4)]
     slices = [slice(g * G, (g + 2) * G) for g in (0, 2, 4)]
-    plan = trained_packs(packs, slices, adv, prompts, completions, G, keep_one=False)
+    plan = trained_packs(packs, slices, adv, G, keep_one=False)
     assert [p.skipped_groups for p in plan] == [1, 2, 0]
     assert plan[1].pack is None
     assert plan[2].pack is packs[2] and plan[2].rows == slices[2]
@@ -49,7 +49,7 @@ def test_trained_packs_drop_dead_groups_and_keep_rows_aligned(tok) -> None:
     L = trimmed.shape[1]
     torch.testing.assert_close(trimmed, full[plan[0].rows.tolist(), :L], rtol=0, atol=1e-6)
     # Under torchrun no micro-batch goes empty: it keeps its first group.
-    kept = trained_packs(packs, slices, adv, prompts, completions, G, keep_one=True)
+    kept = trained_packs(packs, slices, adv, G, keep_one=True)
     assert kept[1].pack is not None and kept[1].rows.tolist() == [6, 7, 8] and kept[1].skipped_groups == 1
 
 
