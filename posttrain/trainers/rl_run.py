@@ -20,6 +20,8 @@ from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.rewards import RewardSpec, load_reward_specs
+from posttrain.rollout.prompts import PromptSource, check_prompt_lengths, data_columns, make_prompt_source
+from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
@@ -33,14 +35,6 @@ from posttrain.trainers.rl_config import (
     rank_batch_sizes,
     resolve_algorithm,
     validate_tree,
-)
-from posttrain.trainers.rollout import (
-    OverlongShaping,
-    PromptSource,
-    check_prompt_lengths,
-    data_columns,
-    make_prompt_source,
-    reward_names,
 )
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.train_state import Checkpointer

@@ -176,16 +176,16 @@ def test_truncate_metrics_drops_records_after_the_checkpoint(tmp_path: Path):
 
 
 def test_jsonl_prompt_source_resumes_its_order(tmp_path: Path):
+    from posttrain.rollout.prompts import DatasetPrompts
     from posttrain.trainers.rl_config import DataSection
-    from posttrain.trainers.rollout import JsonlPrompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(5)))
     cfg = DataSection(task=None, path=str(path), eval_size=0)
-    source = JsonlPrompts(cfg)
+    source = DatasetPrompts(cfg)
     source.sample(3)
     state = json.loads(json.dumps(source.state_dict()))  # as the checkpoint stores it
     expected = source.sample(6)  # crosses into the next reshuffled pass
-    again = JsonlPrompts(cfg)
+    again = DatasetPrompts(cfg)
     again.load_state_dict(state)
     assert again.sample(6) == expected
