@@ -181,7 +181,7 @@ def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, i
     from posttrain.models.hub import load_tokenizer, resolve_model_path
     from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.loop import batch_stream
-    from posttrain.trainers.preference_data import load_pairs
+    from posttrain.data.preference_pairs import load_pairs
 
     cfg = parse_cli_config(DPOConfig, overrides)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.name_or_path))

@@ -51,7 +51,7 @@ def ppl_rows(tokenizer, count: int) -> list:  # noqa: ANN001
 def dpo_rows(tokenizer, count: int, batch_size: int) -> list:  # noqa: ANN001
     """The pairs' rows in the order `eval preference` scores them (waves of chosen rows, then their rejected)."""
     from posttrain.eval.preference import read_pairs, rows_in_waves
-    from posttrain.trainers.preference_data import tokenize_pair_for_policy
+    from posttrain.data.preference_pairs import tokenize_pair_for_policy
 
     pairs, _ = read_pairs(HH, tokenizer, tokenize_pair_for_policy, max_rows=count)
     return rows_in_waves(pairs, batch_size)[0]

@@ -44,9 +44,10 @@ from typing import Any, Literal
 import torch
 
 from posttrain.algos.logprobs import token_logprobs
-from posttrain.algos.preference import PREFERENCE_LOSSES
+from posttrain.algos.preference import PREFERENCE_LOSSES, TIE_TOLERANCE
 from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
+from posttrain.data.preference_pairs import PairRow, load_pairs, mismatched_row
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
@@ -67,7 +68,6 @@ from posttrain.trainers.adapters import (
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.preference_data import PairRow, load_pairs, mismatched_row
 from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
@@ -77,9 +77,6 @@ from posttrain.trainers.unpaired_data import is_unpaired, load_unpaired
 logger = logging.getLogger("posttrain.trainers")
 
 REFERENCE_FREE = ("simpo", "orpo")
-# Implicit-reward differences this small are ties: the reference pass batches and pads differently from the
-# policy pass, so an untrained policy's "zero" margins carry float rounding of this order, not a preference.
-TIE_TOLERANCE = 1e-4
 LOSS_OPTIONS = ("beta", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight")
 
 
