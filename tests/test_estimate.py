@@ -181,7 +181,8 @@ def _measure_sft(model: Transformer) -> tuple[int, TrainingSetup]:
 
 def _measure_dpo(model: Transformer) -> tuple[int, TrainingSetup]:
     """sequence_logps and the sigmoid loss, with precomputed (here: zero) reference log-probs."""
-    from posttrain.trainers.dpo import DPOConfig, collate_pairs, preference_loss, sequence_logps
+    from posttrain.trainers.preference.dpo import DPOConfig, preference_loss
+    from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
 
     batch = collate_pairs(_pairs(5, 7), 0)
 

@@ -129,7 +129,7 @@ def sft_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 
 def dpo_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
-    """posttrain.trainers.dpo.sequence_logps: the LM head on the N target positions of the 2B rows, then
+    """posttrain.trainers.preference.logps.sequence_logps: the LM head on the N target positions of the 2B rows, then
     token_logprobs and a per-row sum (index_add).
 
     Kept: the (R, T) bool target mask; the (N, d) target rows when the head trains; the (N, V) fp32 logits

@@ -16,7 +16,7 @@ from posttrain.errors import PosttrainError
 from posttrain.eval import evaluate_dpo, evaluate_reward_model, pairwise_result
 from posttrain.rewards import RewardModelScorer, save_score_head
 from posttrain.rewards.model_reward import tokenize_pair_for_scoring
-from posttrain.trainers.dpo import frozen_logps
+from posttrain.trainers.preference.logps import frozen_logps
 from posttrain.trainers.reward_model import RewardModel, evaluate_rm
 from tests.data.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer
 from tests.trainers.pref_helpers import pair_rows, write_jsonl
