@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.checkpoint.resume import open_run
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.distributed.env import is_main
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, open_metrics
@@ -26,7 +28,6 @@ from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
 from posttrain.trainers.ppo import ValueHead, save_value_head
-from posttrain.trainers.resume import open_run
 from posttrain.trainers.rl_batch import PackedGroups, packed_forward
 from posttrain.trainers.rl_config import (
     ResolvedAlgorithm,
@@ -37,7 +38,6 @@ from posttrain.trainers.rl_config import (
     validate_tree,
 )
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
-from posttrain.trainers.train_state import Checkpointer
 
 
 @dataclass

@@ -42,6 +42,8 @@ from typing import Any, Literal
 import torch
 
 from posttrain.algos.preference import PREFERENCE_LOSSES, TIE_TOLERANCE
+from posttrain.checkpoint.resume import open_run
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
 from posttrain.data.preference_pairs import PairRow, load_pairs
@@ -67,10 +69,8 @@ from posttrain.trainers.preference.kto import KTORun
 from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
 from posttrain.trainers.preference.reference import Reference
 from posttrain.trainers.preference.unpaired import is_unpaired, load_unpaired
-from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
-from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 

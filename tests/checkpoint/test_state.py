@@ -13,18 +13,18 @@ import numpy
 import pytest
 import torch
 
+from posttrain.checkpoint.optim_state import load_optimizer_plain, optimizer_to_plain
+from posttrain.checkpoint.resume import open_run, truncate_metrics
+from posttrain.checkpoint.rng_state import capture_rank_rngs, capture_rng, restore_rank_rng, restore_rng
+from posttrain.checkpoint.save import COMMIT_MARKER, checkpoint_dir, latest_checkpoint, list_checkpoints
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.config import load_config
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.peft import LoraConfig, apply_lora
-from posttrain.trainers.checkpoint import COMMIT_MARKER, checkpoint_dir, latest_checkpoint, list_checkpoints
 from posttrain.trainers.loop import batch_stream
 from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.optim_state import load_optimizer_plain, optimizer_to_plain
-from posttrain.trainers.resume import open_run, truncate_metrics
-from posttrain.trainers.rng_state import capture_rank_rngs, capture_rng, restore_rank_rng, restore_rng
 from posttrain.trainers.schedule import build_scheduler
 from posttrain.trainers.sft import SFTConfig
-from posttrain.trainers.train_state import Checkpointer
 from tests.data.tiny import tiny_model, tiny_tokenizer
 
 
