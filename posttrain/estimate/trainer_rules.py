@@ -3,7 +3,7 @@
 One `TrainerRules` per trainer (`TRAINERS`): the rows through the decoder, whether the LM head runs on
 the target positions, the loss head's tensors, a scalar head trained beside the trunk, the rollout and
 the no-grad passes besides the trained forward. memory.py and compute.py read these rules; every rule
-restates what the trainer's code does (the function named in each docstring), and tests/test_estimate.py
+restates what the trainer's code does (the function named in each docstring), and tests/estimate/test_estimate.py
 checks the loss heads against the tensors autograd saves, tensor by tensor.
 
 Shapes: B `--batch`, R rows and T row width through the decoder, N target positions (through the LM
