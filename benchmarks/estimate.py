@@ -178,10 +178,10 @@ def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, i
     """Per step, the trainer's micro-batches as {pairs, width, targets, tokens}: the same pairs, batch_stream and
     collate_pairs as `train_dpo` (2B rows, chosen then rejected, padded to the longest of all 2B)."""
     from posttrain.config import parse_cli_config
+    from posttrain.data.preference_pairs import load_pairs
     from posttrain.models.hub import load_tokenizer, resolve_model_path
-    from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.loop import batch_stream
-    from posttrain.trainers.preference_data import load_pairs
+    from posttrain.trainers.preference.dpo import DPOConfig
 
     cfg = parse_cli_config(DPOConfig, overrides)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.name_or_path))

@@ -50,8 +50,8 @@ def ppl_rows(tokenizer, count: int) -> list:  # noqa: ANN001
 
 def dpo_rows(tokenizer, count: int, batch_size: int) -> list:  # noqa: ANN001
     """The pairs' rows in the order `eval preference` scores them (waves of chosen rows, then their rejected)."""
+    from posttrain.data.preference_pairs import tokenize_pair_for_policy
     from posttrain.eval.preference import read_pairs, rows_in_waves
-    from posttrain.trainers.preference_data import tokenize_pair_for_policy
 
     pairs, _ = read_pairs(HH, tokenizer, tokenize_pair_for_policy, max_rows=count)
     return rows_in_waves(pairs, batch_size)[0]
@@ -97,7 +97,7 @@ def run_one(workload: str, path: str, count: int, batch_size: int) -> dict:
     elif workload == "ppl":
         sums = dense_ppl_sums(model, rows, batch_size)
     else:
-        from posttrain.trainers.dpo import frozen_logps
+        from posttrain.trainers.preference.logps import frozen_logps
 
         sums = frozen_logps(model, rows, batch_size, tokenizer.pad_token_id or 0).double().tolist()
     seconds = time.perf_counter() - start

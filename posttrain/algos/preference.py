@@ -22,6 +22,12 @@ from torch import Tensor
 
 LossWithMetrics = tuple[Tensor, dict[str, Tensor]]
 
+# Held-out reward accuracy (the DPO trainer's `eval_reward_accuracy`, `posttrain eval preference`'s DPO
+# scorer) counts a pair whose implicit-reward difference is within this of 0 as a tie, half a win: the
+# reference pass batches and pads differently from the policy pass, so an untrained policy's "zero"
+# margins carry float rounding of this order, not a preference.
+TIE_TOLERANCE = 1e-4
+
 
 def _pair_metrics(
     chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor, rejected_logps: Tensor

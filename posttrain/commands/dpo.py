@@ -13,6 +13,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posttrain.trainers.dpo import DPOConfig, train_dpo
+    from posttrain.trainers.preference.dpo import DPOConfig, train_dpo
 
     return run_logged(train_dpo, parse_cli_config(DPOConfig, args.argv))

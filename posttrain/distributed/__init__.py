@@ -2,7 +2,7 @@
 
 See docs/distributed.md. Trainers use `Parallel` (the wrapped model), the collectives of `env`, what a
 rank does under torchrun through `processes` (join, rank-0 metrics and final writes), and `checkpoint`
-through `posttrain.trainers.train_state`. Nothing here imports a trainer.
+through `posttrain.checkpoint.state`. Nothing here imports a trainer.
 """
 
 from posttrain.distributed.config import DistSection

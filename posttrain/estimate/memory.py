@@ -4,7 +4,7 @@ Every term is a closed formula over the shapes (docs/estimate.md writes them out
 `Architecture` and a `TrainingSetup` (inputs.py). The activation term counts the tensors that autograd
 actually keeps for *our* model (posttrain.models: pre-norm RMSNorm computed in fp32, SDPA attention,
 SwiGLU) and *our* trainers' loss heads (trainer_rules.py, one rule per trainer), so it is a count, not a
-rule of thumb; tests/test_estimate.py checks it against the saved tensors of a tiny model, tensor by tensor.
+rule of thumb; tests/estimate/test_estimate.py checks it against the saved tensors of a tiny model, tensor by tensor.
 
 Notation: d hidden, f intermediate, H / Hkv heads / KV heads, D head dim, V vocab, b bytes of the
 compute dtype, r LoRA rank.

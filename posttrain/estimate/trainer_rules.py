@@ -3,7 +3,7 @@
 One `TrainerRules` per trainer (`TRAINERS`): the rows through the decoder, whether the LM head runs on
 the target positions, the loss head's tensors, a scalar head trained beside the trunk, the rollout and
 the no-grad passes besides the trained forward. memory.py and compute.py read these rules; every rule
-restates what the trainer's code does (the function named in each docstring), and tests/test_estimate.py
+restates what the trainer's code does (the function named in each docstring), and tests/estimate/test_estimate.py
 checks the loss heads against the tensors autograd saves, tensor by tensor.
 
 Shapes: B `--batch`, R rows and T row width through the decoder, N target positions (through the LM
@@ -129,7 +129,7 @@ def sft_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 
 def dpo_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
-    """posttrain.trainers.dpo.sequence_logps: the LM head on the N target positions of the 2B rows, then
+    """posttrain.trainers.preference.logps.sequence_logps: the LM head on the N target positions of the 2B rows, then
     token_logprobs and a per-row sum (index_add).
 
     Kept: the (R, T) bool target mask; the (N, d) target rows when the head trains; the (N, V) fp32 logits

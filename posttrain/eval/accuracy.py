@@ -23,8 +23,9 @@ from posttrain.errors import PosttrainError
 from posttrain.eval.generation import Sampling, sample
 from posttrain.eval.pass_at_k import check_ks, mean_pass_at_k
 from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, check_reward_signature, load_reward_specs
+from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
+from posttrain.rollout.scoring import score_groups
 from posttrain.tasks import accuracy as task_accuracy
-from posttrain.trainers.rollout import PROMPT_KEY, RolloutBatch, score_groups
 
 SAMPLES_KEPT = 200  # per-sample records returned for inspection (--samples FILE writes them)
 NO_REWARD = "no reward function: name one with --reward (a built-in, e.g. numeric_match, or path/to/file.py:function)"

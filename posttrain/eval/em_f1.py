@@ -26,7 +26,7 @@ from posttrain.engine import LLM
 from posttrain.errors import PosttrainError
 from posttrain.eval.generation import Sampling, sample
 from posttrain.eval.prompts import ANSWER_KEY
-from posttrain.trainers.rollout import PROMPT_KEY
+from posttrain.rollout.batch import PROMPT_KEY
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)

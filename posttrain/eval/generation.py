@@ -15,7 +15,8 @@ from typing import Any
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import PosttrainError
 from posttrain.eval.prompts import check_prompt_column
-from posttrain.trainers.rollout import PROMPT_KEY, RolloutBatch, generate_groups
+from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
+from posttrain.rollout.generate import generate_groups
 
 
 @dataclass(frozen=True)

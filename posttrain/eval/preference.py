@@ -10,7 +10,7 @@ Two scorers, each computing what its trainer computes:
   trainer's `sequence_logps`), here taken from the engine's prompt logprobs (eval/scoring.py): each
   sequence is one prefill-only request, continuously batched.
 
-Pairs are read by the trainers' data layer (`load_pairs`): TRL's explicit (prompt / chosen / rejected)
+Pairs are read by the data layer the trainers use (`data.preference_pairs.load_pairs`): TRL's explicit (prompt / chosen / rejected)
 and implicit (chosen / rejected) preference rows, text or chat messages, and hh-rlhf transcripts.
 Bad rows are reported with file:line; above `max_bad_row_fraction` of them the read fails.
 
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
+from posttrain.algos.preference import TIE_TOLERANCE
 from posttrain.data.config import DataConfig
+from posttrain.data.preference_pairs import PairRow, TokenizePair, load_pairs, tokenize_pair_for_policy
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.errors import PosttrainError
 from posttrain.eval.scoring import token_logprobs
 from posttrain.models.transformer import Transformer
-from posttrain.trainers.dpo import TIE_TOLERANCE
-from posttrain.trainers.preference_data import PairRow, TokenizePair, load_pairs, tokenize_pair_for_policy
-from posttrain.trainers.reward_model import tokenize_pair_for_scoring
+from posttrain.rewards.model_reward import tokenize_pair_for_scoring
 
 CHUNK_PAIRS = 32  # pairs per progress-bar update (each chunk is scored in batches of batch_size)
 

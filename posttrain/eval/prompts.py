@@ -1,7 +1,7 @@
 """The prompts an evaluation generates for: a built-in task's held-out problems, or the rows of a dataset
 file (JSONL, JSON, Parquet, a saved HF dataset) with a prompt column and a reference-answer column.
 
-Rows come out as the RL trainer's rollout rows (`posttrain.trainers.rollout.prompt_row`): `prompt` holds
+Rows come out as the RL trainer's rollout rows (`posttrain.rollout.prompts.prompt_row`): `prompt` holds
 chat messages (a string prompt becomes one user turn, after an optional system message), every other
 column stays, and the reference column is renamed to `answer`, the name the built-in answer rewards read.
 A missing column is an error naming the file and line; a null reference is kept: the reward then cannot
@@ -17,7 +17,8 @@ from typing import Any
 from posttrain.data.readers import read_rows, row_location
 from posttrain.data.validate import DataError
 from posttrain.errors import PosttrainError
-from posttrain.trainers.rollout import PROMPT_KEY, prompt_row
+from posttrain.rollout.batch import PROMPT_KEY
+from posttrain.rollout.prompts import prompt_row
 
 ANSWER_KEY = "answer"  # where the reference answer sits in a row
 

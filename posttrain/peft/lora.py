@@ -91,6 +91,11 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
+def has_adapters(model: nn.Module) -> bool:
+    """True when the model trains LoRA adapters: its reference model is then its own base, adapters off."""
+    return bool(lora_layers(model))
+
+
 def model_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Every module except the insides of LoRALinear layers (their base_layer and adapters)."""
     out: dict[str, nn.Module] = {}

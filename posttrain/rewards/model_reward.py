@@ -27,6 +27,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from posttrain.data.config import DataConfig
+from posttrain.data.formats import Preference
+from posttrain.data.preference_pairs import PairRow
+from posttrain.data.tokenize import TokenizedRow
+from posttrain.data.validate import RowError
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import load_hf_dir, parse_dtype
 from posttrain.models.transformer import Transformer
@@ -92,6 +97,23 @@ def encode_for_scoring(tokenizer: Tokenizer, prompt: Any, completion: Any) -> li
 
 def _is_messages(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(m, Mapping) for m in value)
+
+
+def tokenize_pair_for_scoring(tokenizer: Any, example: Preference, cfg: DataConfig) -> PairRow:
+    """A preference pair as the reward model reads it (`encode_for_scoring`; labels = ids): the
+    tokenization the reward-model trainer trains on and `eval preference` scores. Over `cfg.max_length`
+    a sequence is a bad row (`overlong: skip`) or keeps its last max_length tokens."""
+    rows = []
+    for completion in (example.chosen, example.rejected):
+        ids = encode_for_scoring(tokenizer, example.prompt, completion)
+        if len(ids) > cfg.max_length:
+            if cfg.overlong == "skip":
+                raise RowError(f"too long: {len(ids)} tokens > max_length {cfg.max_length} (data.overlong=skip)")
+            ids = ids[-cfg.max_length:]
+        if not ids:
+            raise RowError("encodes to no tokens")
+        rows.append(TokenizedRow(ids, list(ids)))
+    return PairRow(*rows)
 
 
 class RewardModelScorer:

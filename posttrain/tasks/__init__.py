@@ -20,6 +20,9 @@ TASKS: dict[str, Callable[..., Task]] = {
     "gsm8k": GSM8KTask,
 }
 
+# Built-in tasks and the reward each is scored with unless `reward.functions` says otherwise.
+TASK_DEFAULT_REWARDS: dict[str, str] = {"arithmetic": "numeric_match", "gsm8k": "gsm8k"}
+
 
 def make_task(name: str, **options: Any) -> Task:
     """The task registered under `name`, built with `options` (an unknown name or option is a TaskError)."""
@@ -34,4 +37,4 @@ def make_task(name: str, **options: Any) -> Task:
     return factory(**options)
 
 
-__all__ = ["TASKS", "ArithmeticTask", "GSM8KTask", "Task", "TaskError", "accuracy", "load_gsm8k", "make_task"]
+__all__ = ["TASKS", "TASK_DEFAULT_REWARDS", "ArithmeticTask", "GSM8KTask", "Task", "TaskError", "accuracy", "load_gsm8k", "make_task"]

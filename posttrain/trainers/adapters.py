@@ -10,7 +10,8 @@ Every trainer config carries the same optional keys, and every trainer calls the
 
     load_trainable(cfg.model, lora=..., quant=..., qat=...)   -> (model, tokenizer), ready for the optimizer
     save_trained(model, tokenizer, path, ...)                  what a checkpoint holds of the model
-                                                               (train_state.Checkpointer calls it)
+                                                               (posttrain.checkpoint.model; the
+                                                               Checkpointer calls it)
     save_final_dir(model, tokenizer, run_dir, ...)             <run>/final
     save_final_parallel(parallel, tokenizer, run_dir, ...)     <run>/final from the whole weights, by rank 0
 
@@ -31,15 +32,16 @@ from typing import Any
 
 from torch import nn
 
+from posttrain.checkpoint.model import save_trained as save_trained  # re-exported: the trainers save through here
 from posttrain.distributed.parallel import Parallel
 from posttrain.distributed.processes import write_from_main
 from posttrain.errors import ConfigError
-from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
-from posttrain.peft import LoraConfig, apply_lora, lora_layers, save_peft_adapter, set_adapter
+from posttrain.peft import LoraConfig, apply_lora, set_adapter
+from posttrain.peft import has_adapters as has_adapters  # re-exported, as before
 from posttrain.peft.lora import DEFAULT_ADAPTER, find_targets, wrap_linear
-from posttrain.quant import SCHEMES, FakeQuantLinear, convert_qat, prepare_qat, quantize_model, save_quantized
+from posttrain.quant import SCHEMES, prepare_qat, quantize_model
 from posttrain.run_dir import final_dir
 from posttrain.trainers.sections import ModelSection
 
@@ -126,26 +128,6 @@ def load_trainable(
         raise ConfigError(str(error)) from None
     model, tokenizer = load_model(section.name_or_path, dtype=section.dtype, device=section.device)
     return prepare_trainable(model, lora=lora, quant=quant, qat=qat), tokenizer
-
-
-def has_adapters(model: nn.Module) -> bool:
-    """True when the model trains LoRA adapters: its reference model is then its own base, adapters off."""
-    return bool(lora_layers(model))
-
-
-def save_trained(model: nn.Module, tokenizer: Any, out: str | Path, *, base_model: str, export: bool = False) -> Path:
-    """Write what the run trains into `out` (see the module docstring); `export` is the final save of a QAT
-    run, which converts the model to real quantized layers in place. Returns `out`."""
-    out = Path(out)
-    if has_adapters(model):
-        save_peft_adapter(model, out, base_model_name_or_path=base_model)
-        if tokenizer is not None:
-            tokenizer.save(out)  # the chat template the adapter was trained with travels with it
-        return out
-    if export and any(isinstance(m, FakeQuantLinear) for m in model.modules()):
-        convert_qat(model)
-        return save_quantized(model, out, tokenizer)
-    return save_hf_dir(model, out, tokenizer=tokenizer)
 
 
 def save_final_dir(model: nn.Module, tokenizer: Any, run_dir: str | Path, *, base_model: str) -> Path:

@@ -33,30 +33,31 @@ from typing import Any, Literal
 import torch
 
 from posttrain.algos.distill import DISTILL_LOSSES
+from posttrain.checkpoint.resume import open_run
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
 from posttrain.data.dataset import build_sft_rows, split_holdout
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.engine import LLM, EngineConfig, SamplingParams
-from posttrain.errors import PosttrainError
 from posttrain.distributed.config import DistSection
 from posttrain.distributed.env import all_reduce_count, is_main, reduce_metrics
 from posttrain.distributed.parallel import Parallel
 from posttrain.distributed.processes import join_processes, main_metrics
+from posttrain.engine import LLM, EngineConfig, SamplingParams
+from posttrain.errors import PosttrainError
 from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
+from posttrain.rollout.collect import prompt_seed_base
+from posttrain.rollout.generate import EngineCall
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir, save_final_parallel
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.resume import open_run
-from posttrain.trainers.rollout import EngineCall, prompt_seed_base
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
-from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 

@@ -22,34 +22,31 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from posttrain.algos.reward import bradley_terry_loss
+from posttrain.checkpoint.resume import open_run
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import collate
 from posttrain.data.config import DataConfig
-from posttrain.data.formats import Preference
-from posttrain.data.tokenize import TokenizedRow
-from posttrain.data.validate import DataError, RowError
+from posttrain.data.preference_pairs import PairRow, load_pairs
+from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
 from posttrain.distributed.env import all_reduce_count, barrier, is_main, reduce_metrics
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, main_metrics
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
-from posttrain.rewards.model_reward import encode_for_scoring, save_score_head
+from posttrain.rewards.model_reward import save_score_head, tokenize_pair_for_scoring
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_parallel
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.preference_data import PairRow, load_pairs
-from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
-from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -96,20 +93,6 @@ def new_score_head(hidden_size: int, device: torch.device | str) -> nn.Linear:
     head = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=torch.float32)
     nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden_size + 1))
     return head
-
-
-def tokenize_pair_for_scoring(tokenizer: Any, example: Preference, cfg: DataConfig) -> PairRow:
-    rows = []
-    for completion in (example.chosen, example.rejected):
-        ids = encode_for_scoring(tokenizer, example.prompt, completion)
-        if len(ids) > cfg.max_length:
-            if cfg.overlong == "skip":
-                raise RowError(f"too long: {len(ids)} tokens > max_length {cfg.max_length} (data.overlong=skip)")
-            ids = ids[-cfg.max_length:]
-        if not ids:
-            raise RowError("encodes to no tokens")
-        rows.append(TokenizedRow(ids, list(ids)))
-    return PairRow(*rows)
 
 
 def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int,

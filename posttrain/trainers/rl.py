@@ -43,6 +43,8 @@ from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
 from posttrain.distributed.env import barrier, broadcast_object, is_main, reduce_metrics
 from posttrain.distributed.lockstep import Lockstep
 from posttrain.errors import PosttrainError
+from posttrain.rollout.collect import collect_rollout, prompt_seed_base
+from posttrain.rollout.evaluate import evaluate
 from posttrain.trainers.adapters import save_final_dir, save_final_parallel
 from posttrain.trainers.loop import run_steps
 from posttrain.trainers.ppo import ppo_advantages, save_value_head, whiten_over_ranks
@@ -50,7 +52,6 @@ from posttrain.trainers.rl_config import GRPOConfig, PPOConfig, RLConfig, batch_
 from posttrain.trainers.rl_metrics import StepTimer, batch_metrics, peak_memory_gb
 from posttrain.trainers.rl_run import RLRun, setup_run
 from posttrain.trainers.rl_update import StepBatch, UpdateTargets, prepare_batch, scoring_pass, update_policy
-from posttrain.trainers.rollout import collect_rollout, evaluate, prompt_seed_base
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Under torchrun: metrics that are each rank's part of a total (the others are averaged over the ranks).

@@ -60,10 +60,6 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
 # PPO is not a GRPOConfig algorithm: it needs the value head and GAE of `PPOConfig.ppo`.
 PPO_PRESET = AlgorithmPreset("gae", "ppo_clip", "token-mean", 0.2, 0.2)
 
-# Built-in tasks and the reward each is scored with unless `reward.functions` says otherwise.
-TASK_DEFAULT_REWARDS: dict[str, str] = {"arithmetic": "numeric_match", "gsm8k": "gsm8k"}
-
-
 # ----------------------------------------------------------------------------- sections
 
 
@@ -80,10 +76,10 @@ def _positive(name: str, value: float | int | None, allow_none: bool = False) ->
 
 @dataclass
 class DataSection:
-    """Where prompts come from: a built-in task, or a JSONL dataset with a prompt column."""
+    """Where prompts come from: a built-in task, or a dataset (JSONL, Parquet, a saved HF dataset) with a prompt column."""
 
-    task: str | None = "arithmetic"  # posttrain.tasks.TASKS key; null: read the JSONL dataset at `path`
-    path: str | None = None  # with a task: the task's data file (gsm8k); without: a JSONL dataset
+    task: str | None = "arithmetic"  # posttrain.tasks.TASKS key; null: read the dataset at `path`
+    path: str | None = None  # with a task: the task's data file (gsm8k); without: a dataset file or directory
     prompt_column: str = "prompt"  # a string, or a list of chat messages
     prompt_template: str | None = None  # e.g. "{question}\nEnd with: #### <number>" (row columns by name)
     system_prompt: str | None = None  # prepended as a system message to string prompts
@@ -92,7 +88,7 @@ class DataSection:
 
     def validate(self) -> None:
         _need(self.task is not None or self.path is not None,
-              "set data.task (a built-in task) or data.path (a JSONL dataset), or both (the task's data file)")
+              "set data.task (a built-in task) or data.path (a dataset), or both (the task's data file)")
         _need(self.eval_size >= 0, f"eval_size must be >= 0, got {self.eval_size}")
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from posttrain.trainers.rollout import RolloutBatch
+    from posttrain.rollout.batch import RolloutBatch
 
 
 class StepTimer:

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from posttrain.algos.objective import ObjectiveParams
+from posttrain.checkpoint.resume import open_run
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.distributed.env import is_main
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, open_metrics
@@ -21,11 +23,12 @@ from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.rewards import RewardSpec, load_reward_specs
+from posttrain.rollout.prompts import PromptSource, check_prompt_lengths, data_columns, make_prompt_source
+from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
 from posttrain.trainers.ppo import ValueHead, save_value_head
-from posttrain.trainers.resume import open_run
 from posttrain.trainers.rl_batch import PackedGroups, packed_forward
 from posttrain.trainers.rl_config import (
     ResolvedAlgorithm,
@@ -36,16 +39,7 @@ from posttrain.trainers.rl_config import (
     resolve_algorithm,
     validate_tree,
 )
-from posttrain.trainers.rollout import (
-    OverlongShaping,
-    PromptSource,
-    check_prompt_lengths,
-    data_columns,
-    make_prompt_source,
-    reward_names,
-)
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
-from posttrain.trainers.train_state import Checkpointer
 
 
 @dataclass

@@ -25,7 +25,7 @@ from posttrain.trainers.optim import optimizer_step
 from posttrain.trainers.rl_batch import PackedGroups, pack_groups
 from posttrain.trainers.rl_metrics import WeightedMeans
 from posttrain.trainers.rl_run import RLRun, policy_forward
-from posttrain.trainers.rollout import RolloutBatch
+from posttrain.rollout.batch import RolloutBatch
 from posttrain.trainers.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free
 
 

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.algos.logprobs import chunked_cross_entropy
+from posttrain.checkpoint.resume import open_run
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import Batch, collate, length_groups
 from posttrain.data.config import DataConfig
 from posttrain.data.dataset import build_sft_rows, split_holdout
@@ -45,10 +47,8 @@ from posttrain.trainers.adapters import check_adapter_options, load_trainable, s
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.resume import open_run
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
-from posttrain.trainers.train_state import Checkpointer
 
 logger = logging.getLogger("posttrain.trainers")
 

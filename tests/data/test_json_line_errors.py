@@ -15,15 +15,15 @@ from posttrain.data.readers import read_rows
 from posttrain.errors import PosttrainError
 from posttrain.eval.perplexity import read_texts
 from posttrain.eval.prompts import file_rows
+from posttrain.rollout.prompts import DatasetPrompts
 from posttrain.tasks.gsm8k import load_gsm8k
 from posttrain.trainers.rl_config import DataSection
-from posttrain.trainers.rollout import JsonlPrompts
 
 GOOD = b'{"prompt": "p", "question": "q", "answer": "#### 1", "text": "t"}\n'
 
 
 def _jsonl_prompts(path: Path) -> Any:
-    return JsonlPrompts(DataSection(task=None, path=str(path), eval_size=0))
+    return DatasetPrompts(DataSection(task=None, path=str(path), eval_size=0))
 
 
 READERS: dict[str, Callable[[Path], Any]] = {

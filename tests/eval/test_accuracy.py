@@ -13,8 +13,8 @@ from posttrain.errors import PosttrainError
 from posttrain.eval import Sampling, evaluate_accuracy, file_rows, task_rows
 from posttrain.eval.pass_at_k import pass_at_k
 from posttrain.rewards import RewardError, RewardSpec
+from posttrain.rollout.evaluate import evaluate as trainer_evaluate
 from posttrain.tasks import TaskError
-from posttrain.trainers.rollout import evaluate as trainer_evaluate
 from tests.eval.fakes import FakeLLM, chat
 
 # Four problems, four samples each; numeric_match reads the last number.

@@ -3,21 +3,21 @@ the DPO implicit reward from hand-summed log-probabilities, hh-rlhf transcripts,
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from posttrain.data.config import DataConfig
 from posttrain.data.formats import Preference
+from posttrain.data.preference_pairs import load_pairs, tokenize_pair_for_policy
 from posttrain.data.tokenize import IGNORE_INDEX
 from posttrain.data.validate import DataError
 from posttrain.errors import PosttrainError
 from posttrain.eval import evaluate_dpo, evaluate_reward_model, pairwise_result
 from posttrain.rewards import RewardModelScorer, save_score_head
-from posttrain.trainers.dpo import frozen_logps
-from posttrain.trainers.preference_data import load_pairs, tokenize_pair_for_policy
-from posttrain.trainers.reward_model import RewardModel, evaluate_rm, tokenize_pair_for_scoring
+from posttrain.rewards.model_reward import tokenize_pair_for_scoring
+from posttrain.trainers.preference.logps import frozen_logps
+from posttrain.trainers.reward_model import RewardModel, evaluate_rm
 from tests.data.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer
 from tests.trainers.pref_helpers import pair_rows, write_jsonl
 

@@ -19,9 +19,10 @@ from posttrain.models.hub import load_model
 from posttrain.peft import LoRALinear, load_peft_adapter, lora_state_dict, merge_lora
 from posttrain.quant import FakeQuantLinear, QuantizedLinear, is_quantized_dir, set_compute
 from posttrain.rewards.model_reward import load_score_head
-from posttrain.trainers import adapters, dpo, reward_model
+from posttrain.trainers import adapters, reward_model
 from posttrain.trainers.distill import DistillConfig, train_distill
-from posttrain.trainers.dpo import DPOConfig, train_dpo
+from posttrain.trainers.preference import reference
+from posttrain.trainers.preference.dpo import DPOConfig, train_dpo
 from posttrain.trainers.reward_model import RMConfig, train_reward_model
 from posttrain.trainers.rl_config import GRPOConfig, PPOConfig
 from posttrain.trainers.sft import SFTConfig, start_sft, train_sft
@@ -99,7 +100,7 @@ def test_sft_lora_trains_adapters_only_and_saves_peft_files(tiny, tmp_path, prep
 def test_dpo_lora_reference_is_the_base_with_adapters_off(tiny, tmp_path, prepared, monkeypatch):
     model_dir, data, _ = tiny
     # No frozen copy of the policy: the live reference must be the policy module itself.
-    monkeypatch.setattr(dpo, "copy", types.SimpleNamespace(deepcopy=lambda m: pytest.fail("copied the policy")))
+    monkeypatch.setattr(reference, "copy", types.SimpleNamespace(deepcopy=lambda m: pytest.fail("copied the policy")))
     runs = {}
     for ref in ("precompute", "live"):
         cfg = config(DPOConfig, model_dir, data, tmp_path / ref, *LORA, *FAST, f"reference={ref}",

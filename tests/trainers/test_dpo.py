@@ -8,11 +8,12 @@ import torch
 from posttrain.algos.preference import PREFERENCE_LOSSES
 from posttrain.cli import main
 from posttrain.config import parse_cli_config
+from posttrain.data.preference_pairs import load_pairs
 from posttrain.data.validate import DataError
 from posttrain.errors import ConfigError
 from posttrain.models.hub import load_model
-from posttrain.trainers.dpo import DPOConfig, collate_pairs, sequence_logps, train_dpo
-from posttrain.trainers.preference_data import load_pairs
+from posttrain.trainers.preference.dpo import DPOConfig, train_dpo
+from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
 from tests.trainers.pref_helpers import config, read_metrics, setup_dir, write_jsonl
 
 

@@ -13,8 +13,8 @@ from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.errors import ConfigError
 from posttrain.models.hub import load_model
-from posttrain.trainers.dpo import DPOConfig, train_dpo
-from posttrain.trainers.unpaired_data import UnpairedRow, fixed_batches, kl_rows, load_unpaired
+from posttrain.trainers.preference.dpo import DPOConfig, train_dpo
+from posttrain.trainers.preference.unpaired import UnpairedRow, fixed_batches, kl_rows, load_unpaired
 from tests.trainers.pref_helpers import PAIRS, config, read_metrics, setup_dir, write_jsonl
 
 

@@ -17,9 +17,9 @@ import torch
 
 from posttrain.models.hub import load_model
 from posttrain.models.transformer import Transformer
-from posttrain.trainers.dpo import DPOConfig
-from posttrain.trainers.kto_unpaired import KTORun
-from posttrain.trainers.unpaired_data import load_unpaired
+from posttrain.trainers.preference.dpo import DPOConfig
+from posttrain.trainers.preference.kto import KTORun
+from posttrain.trainers.preference.unpaired import load_unpaired
 from tests.algos.trl_stubs import FakeAccelerator, new_metrics
 from tests.trainers.pref_helpers import config, setup_dir, write_jsonl
 from tests.trainers.test_kto_unpaired import unpaired_rows

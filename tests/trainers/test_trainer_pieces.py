@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from posttrain.checkpoint.save import list_checkpoints, save_checkpoint
 from posttrain.metrics import MetricsLogger, read_metrics
-from posttrain.trainers.checkpoint import list_checkpoints, save_checkpoint
 from posttrain.trainers.loop import batch_stream, run_steps, steps_for_epochs
 from posttrain.trainers.optim import build_optimizer, optimizer_step, param_groups
 from posttrain.trainers.schedule import build_scheduler, lr_multiplier, warmup_steps_for

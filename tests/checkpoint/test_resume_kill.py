@@ -2,7 +2,7 @@
 `--resume auto` write the same losses and end with the same parameters, bit for bit, as a run that was
 never stopped. And a kill in the middle of a checkpoint write leaves the previous checkpoint to resume.
 
-Each run is a fresh process (tests/trainers/kill_wrapper.py) on one thread, so the runs compare bitwise.
+Each run is a fresh process (tests/checkpoint/kill_wrapper.py) on one thread, so the runs compare bitwise.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from posttrain.cli import main
+from posttrain.data.preference_pairs import PairRow
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.errors import PosttrainError
 from posttrain.estimate import Architecture, TrainingSetup, estimate_memory, estimate_time
@@ -18,7 +19,6 @@ from posttrain.estimate.memory import activations_bytes, kv_cache_bytes, layer_b
 from posttrain.estimate.trainer_rules import TRAINERS, loss_head, rules
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
-from posttrain.trainers.preference_data import PairRow
 
 # d=64, f=160, H=4, Hkv=2, D=16, V=100, 2 layers, tied: small enough to count by hand.
 TINY = Architecture(layers=2, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=100,
@@ -181,7 +181,8 @@ def _measure_sft(model: Transformer) -> tuple[int, TrainingSetup]:
 
 def _measure_dpo(model: Transformer) -> tuple[int, TrainingSetup]:
     """sequence_logps and the sigmoid loss, with precomputed (here: zero) reference log-probs."""
-    from posttrain.trainers.dpo import DPOConfig, collate_pairs, preference_loss, sequence_logps
+    from posttrain.trainers.preference.dpo import DPOConfig, preference_loss
+    from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
 
     batch = collate_pairs(_pairs(5, 7), 0)
 

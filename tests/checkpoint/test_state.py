@@ -13,18 +13,18 @@ import numpy
 import pytest
 import torch
 
+from posttrain.checkpoint.optim_state import load_optimizer_plain, optimizer_to_plain
+from posttrain.checkpoint.resume import open_run, truncate_metrics
+from posttrain.checkpoint.rng_state import capture_rank_rngs, capture_rng, restore_rank_rng, restore_rng
+from posttrain.checkpoint.save import COMMIT_MARKER, checkpoint_dir, latest_checkpoint, list_checkpoints
+from posttrain.checkpoint.state import Checkpointer
 from posttrain.config import load_config
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.peft import LoraConfig, apply_lora
-from posttrain.trainers.checkpoint import COMMIT_MARKER, checkpoint_dir, latest_checkpoint, list_checkpoints
 from posttrain.trainers.loop import batch_stream
 from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.optim_state import load_optimizer_plain, optimizer_to_plain
-from posttrain.trainers.resume import open_run, truncate_metrics
-from posttrain.trainers.rng_state import capture_rank_rngs, capture_rng, restore_rank_rng, restore_rng
 from posttrain.trainers.schedule import build_scheduler
 from posttrain.trainers.sft import SFTConfig
-from posttrain.trainers.train_state import Checkpointer
 from tests.data.tiny import tiny_model, tiny_tokenizer
 
 
@@ -176,16 +176,16 @@ def test_truncate_metrics_drops_records_after_the_checkpoint(tmp_path: Path):
 
 
 def test_jsonl_prompt_source_resumes_its_order(tmp_path: Path):
+    from posttrain.rollout.prompts import DatasetPrompts
     from posttrain.trainers.rl_config import DataSection
-    from posttrain.trainers.rollout import JsonlPrompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(5)))
     cfg = DataSection(task=None, path=str(path), eval_size=0)
-    source = JsonlPrompts(cfg)
+    source = DatasetPrompts(cfg)
     source.sample(3)
     state = json.loads(json.dumps(source.state_dict()))  # as the checkpoint stores it
     expected = source.sample(6)  # crosses into the next reshuffled pass
-    again = JsonlPrompts(cfg)
+    again = DatasetPrompts(cfg)
     again.load_state_dict(state)
     assert again.sample(6) == expected

@@ -1,6 +1,6 @@
 """KTO on unpaired rows (prompt, completion, label): the run `train_dpo` drives for `loss: kto` on such a file.
 
-A micro-batch is one fixed batch of B rows (`unpaired_data.fixed_batches`), desirable and undesirable
+A micro-batch is one fixed batch of B rows (`unpaired.fixed_batches`), desirable and undesirable
 in any mix: one forward of the policy over the B rows (with gradients), one no-grad forward over the
 batch's B KL rows (prompt k + completion k-1), and the reference log-probs of both, precomputed
 before the first step or computed live (with LoRA: the policy with its adapters off). The loss is
@@ -21,77 +21,47 @@ undesirable. Held-out: the same over the fixed held-out batches, prefixed eval_.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from posttrain.algos.preference import kto_loss
 from posttrain.data.collate import collate
-from posttrain.data.tokenize import TokenizedRow
 from posttrain.distributed.env import all_gather_rows, all_reduce_count, reduce_metrics
 from posttrain.distributed.parallel import run_module
 from posttrain.models.transformer import Transformer
-from posttrain.peft import disable_adapters
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.adapters import has_adapters
-from posttrain.trainers.dpo import frozen_logps, sequence_logps
 from posttrain.trainers.loop import BatchStream, batch_stream
-from posttrain.trainers.unpaired_data import KTOSplit, UnpairedData, check_weights
+from posttrain.trainers.preference.logps import frozen_logps, sequence_logps
+from posttrain.trainers.preference.reference import UnpairedReference
+from posttrain.trainers.preference.unpaired import UnpairedData, check_weights
+from posttrain.trainers.sections import TrainSection
 
 if TYPE_CHECKING:
     from posttrain.distributed.parallel import Parallel
-    from posttrain.trainers.dpo import DPOConfig
 
 T = TypeVar("T")
 
 
-class UnpairedReference:
-    """Reference logps of every row and every KL row of each split, by row index: a precomputed table,
-    or a frozen model (a copy, or with LoRA the policy with its adapters off) asked per batch."""
+class KTOOptions(Protocol):
+    """What a KTO run reads of its config (`DPOConfig` has it all; `train_dpo` passes its own)."""
 
-    def __init__(self, mode: str, policy: Transformer, splits: dict[str, KTOSplit], batch_size: int, pad_id: int) -> None:
-        self.splits, self.pad_id = splits, pad_id
-        self.base_of_policy = has_adapters(policy)
-        self.model: Transformer | None = None
-        self.table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (rows (n,), KL rows (n,))
-        self.parallel: Parallel | None = None  # set by KTORun.distribute
-        if mode == "live":
-            self.model = policy if self.base_of_policy else copy.deepcopy(policy).eval().requires_grad_(False)
-            return
-        with self._weights(policy):
-            for name, split in splits.items():
-                self.table[name] = (frozen_logps(policy, [r.row for r in split.rows], batch_size, pad_id),
-                                    frozen_logps(policy, split.kl, batch_size, pad_id))
+    @property
+    def reference(self) -> str: ...  # "precompute" or "live"
 
-    def _weights(self, model: Transformer) -> AbstractContextManager:
-        return disable_adapters(model) if self.base_of_policy else nullcontext()
+    @property
+    def train(self) -> TrainSection: ...
 
-    def logps(self, split: str, idx: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(reference logps of the rows (B,), of their KL rows (B,)), on `device`."""
-        if self.model is None:
-            rows, kl = self.table[split]
-            index = torch.tensor(list(idx))
-            return rows[index].to(device), kl[index].to(device)
-        data = self.splits[split]
-        with self._weights(self.model):
-            rows = self._frozen([data.rows[i].row for i in idx])
-            kl = self._frozen([data.kl[i] for i in idx])
-        return rows.to(device), kl.to(device)
+    def effective_beta(self) -> float: ...
 
-    def _frozen(self, rows: list[TokenizedRow]) -> torch.Tensor:
-        # LoRA's base is the policy module: through its wrapper. no_grad around the call: `Parallel.run` then
-        # reshards FSDP2's root, as no backward will.
-        with torch.no_grad():
-            return run_module(self.parallel, self.model, frozen_logps, rows, len(rows), self.pad_id)
+    def loss_options(self) -> dict[str, float]: ...
 
 
 class KTORun:
     """The pieces of a KTO run on unpaired rows; `step` and `evaluate` are what the loop calls."""
 
-    def __init__(self, cfg: DPOConfig, model: Transformer, data: UnpairedData, pad_id: int) -> None:
+    def __init__(self, cfg: KTOOptions, model: Transformer, data: UnpairedData, pad_id: int) -> None:
         self.cfg, self.model, self.pad_id = cfg, model, pad_id
         self.parallel: Parallel | None = None  # set by `distribute`, after the reference took the initial weights
         self.splits = {"train": data.train, **({"eval": data.eval} if data.eval else {})}

@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.distributed.env import broadcast_object, is_main
-from posttrain.errors import CheckpointError, ConfigError
-from posttrain.metrics import METRICS_FILE
-from posttrain.run_dir import CONFIG_FILE, make_run_dir
-from posttrain.trainers.checkpoint import (
+from posttrain.checkpoint.save import (
     CHECKPOINTS_DIR,
     COMMIT_MARKER,
     committed_checkpoints,
     is_committed,
     latest_checkpoint,
 )
-from posttrain.trainers.train_state import read_trainer_state
+from posttrain.checkpoint.state import read_trainer_state
+from posttrain.distributed.env import broadcast_object, is_main
+from posttrain.errors import CheckpointError, ConfigError
+from posttrain.metrics import METRICS_FILE
+from posttrain.run_dir import CONFIG_FILE, make_run_dir
 
 logger = logging.getLogger("posttrain.trainers")
 

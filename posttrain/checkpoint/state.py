@@ -33,17 +33,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from posttrain.checkpoint.model import save_trained
+from posttrain.checkpoint.optim_state import load_optimizer_plain, optimizer_to_plain, scheduler_to_plain
+from posttrain.checkpoint.rng_state import capture_rank_rngs, restore_rank_rng
+from posttrain.checkpoint.save import checkpoint_dir, commit, fsync_dir, fsync_tree, partial_dir, prune_checkpoints
 from posttrain.distributed.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from posttrain.distributed.env import barrier, is_main
 from posttrain.distributed.parallel import Parallel
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import hf_to_ours, read_our_tensors
-from posttrain.peft import active_adapter, load_lora_state_dict
+from posttrain.peft import active_adapter, has_adapters, load_lora_state_dict
 from posttrain.peft.peft_format import KEY_PREFIX, LORA_SUFFIXES, read_adapter_tensors
-from posttrain.trainers.adapters import has_adapters, save_trained
-from posttrain.trainers.checkpoint import checkpoint_dir, commit, fsync_dir, fsync_tree, partial_dir, prune_checkpoints
-from posttrain.trainers.optim_state import load_optimizer_plain, optimizer_to_plain, scheduler_to_plain
-from posttrain.trainers.rng_state import capture_rank_rngs, restore_rank_rng
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"

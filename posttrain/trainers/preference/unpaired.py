@@ -22,10 +22,10 @@ from typing import Any
 from posttrain.data.config import DataConfig
 from posttrain.data.dataset import peek_format, read_examples, split_holdout
 from posttrain.data.formats import PromptCompletion, UnpairedPreference
+from posttrain.data.preference_pairs import splice_rows
 from posttrain.data.tokenize import TokenizedRow, fit_to_length, tokenize_prompt_completion
 from posttrain.data.validate import DataError
 from posttrain.errors import ConfigError
-from posttrain.trainers.preference_data import splice_rows
 
 logger = logging.getLogger("posttrain.trainers")
 

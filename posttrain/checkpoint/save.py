@@ -5,7 +5,7 @@
 
 A step directory is written whole into a hidden sibling (`.step-N.partial`), renamed into place, and
 only then marked with a `COMMITTED` file (fsync'd). A directory without the marker was cut short by a
-crash: resuming skips it with a warning, and rotation never counts it. `train_state.Checkpointer`
+crash: resuming skips it with a warning, and rotation never counts it. `checkpoint.state.Checkpointer`
 writes the full training state this way; `save_checkpoint` below is the older model-only save.
 
 Both kinds load with `posttrain.load_model(path)` (or as a PEFT adapter with LoRA).
@@ -126,7 +126,7 @@ def save_checkpoint(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Save the model only (no optimizer or RNG state) at `step`; with `keep_last`, delete all but the newest
-    `keep_last` step directories. Trainers use `train_state.Checkpointer`, which can be resumed from."""
+    `keep_last` step directories. Trainers use `checkpoint.state.Checkpointer`, which can be resumed from."""
     path = save_hf_dir(model, checkpoint_dir(run_dir, step), tokenizer=tokenizer, dtype=dtype)
     if keep_last is not None:
         if keep_last < 1:

@@ -11,7 +11,9 @@ import torch
 
 from posttrain.engine import SamplingParams
 from posttrain.rewards import RewardSpec
-from posttrain.trainers.rollout import PROMPT_KEY, OverlongShaping, collect_rollout
+from posttrain.rollout.batch import PROMPT_KEY
+from posttrain.rollout.collect import collect_rollout
+from posttrain.rollout.scoring import OverlongShaping
 
 G = 4
 # max_tokens 24 and an 8-token ramp (the default dapo.overlong_cache_len): 24 -> -1, 20 -> -0.5, 10 -> 0

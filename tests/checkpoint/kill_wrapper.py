@@ -42,7 +42,7 @@ def main() -> int:
 
         optim.clip_gradients = clip_then_maybe_die
     elif mode == "commit":
-        import posttrain.trainers.train_state as train_state
+        import posttrain.checkpoint.state as train_state
 
         original_commit = train_state.commit
 

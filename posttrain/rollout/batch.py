@@ -1,0 +1,85 @@
+"""The rollout batch: G sampled completions of each of N prompts, with what the trainer needs of each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+PROMPT_KEY = "prompt"  # every row handed to the trainer carries its prompt under this key
+
+
+@dataclass
+class RolloutBatch:
+    """G samples per group, samples numbered group by group (sample b = g * G + j)."""
+
+    group_size: int
+    rows: list[dict[str, Any]]  # per group: the prompt and its columns
+    prompt_ids: list[list[int]]  # per group
+    completion_ids: list[list[int]]  # per sample
+    texts: list[str]  # per sample
+    rollout_logprobs: list[list[float]]  # per sample: the engine's log softmax(z / T) of each token
+    finish_reasons: list[str]  # per sample
+    policy_versions: list[int]  # per sample
+    rewards: torch.Tensor | None = None  # (B,) after shaping; NaN = unscorable
+    task_rewards: torch.Tensor | None = None  # (B,) before the overlong penalty
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
+    reward_errors: list[str] = field(default_factory=list)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.completion_ids)
+
+    def group_completions(self) -> list[list[list[int]]]:
+        G = self.group_size
+        return [self.completion_ids[g * G : (g + 1) * G] for g in range(self.num_groups)]
+
+    def select_groups(self, groups: list[int]) -> RolloutBatch:
+        G = self.group_size
+        samples = [g * G + j for g in groups for j in range(G)]
+        index = torch.tensor(samples, dtype=torch.long)
+
+        def pick(values: Any) -> Any:
+            if values is None:
+                return None
+            if isinstance(values, torch.Tensor):
+                return values[index]
+            return [values[b] for b in samples]
+
+        return replace(
+            self,
+            rows=[self.rows[g] for g in groups],
+            prompt_ids=[self.prompt_ids[g] for g in groups],
+            completion_ids=pick(self.completion_ids),
+            texts=pick(self.texts),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            finish_reasons=pick(self.finish_reasons),
+            policy_versions=pick(self.policy_versions),
+            rewards=pick(self.rewards),
+            task_rewards=pick(self.task_rewards),
+            per_function={k: pick(v) for k, v in self.per_function.items()},
+        )
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """The groups of `batches`, in order, as one batch (all of one group size)."""
+    first = batches[0]
+
+    def cat(name: str) -> Any:
+        values = [getattr(b, name) for b in batches]
+        if isinstance(values[0], torch.Tensor):
+            return torch.cat(values)
+        return [v for vs in values for v in vs]
+
+    return replace(
+        first,
+        **{name: cat(name) for name in ("rows", "prompt_ids", "completion_ids", "texts", "rollout_logprobs",
+                                        "finish_reasons", "policy_versions", "rewards", "task_rewards")},
+        per_function={k: torch.cat([b.per_function[k] for b in batches]) for k in first.per_function},
+        reward_errors=[e for b in batches for e in b.reward_errors],
+    )

@@ -1,0 +1,45 @@
+"""Group generation: n samples of each prompt from one engine call over the live policy module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from typing import Any
+
+from posttrain.engine import LLM, SamplingParams
+from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
+
+EngineCall = Callable[[], AbstractContextManager[None]]  # a context around one engine call: `Parallel.rollout`'s
+
+
+def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams,
+                    seeds: list[int] | None = None, use_tqdm: bool = False,
+                    lockstep: EngineCall = nullcontext) -> RolloutBatch:
+    """n = params.n samples of each row's prompt from the engine, with their sampling logprobs; with `seeds`,
+    row i's request is seeded with seeds[i] (its samples then depend on nothing else: not on the batch).
+    `use_tqdm`: the engine's progress bar over the prompts. `lockstep`: the engine call runs inside it (under
+    torchrun with `dist.rollout_weights=per_layer`, every rank's call together)."""
+    per_row: SamplingParams | list[SamplingParams] = params
+    if seeds is not None:
+        per_row = [replace(params, seed=seed) for seed in seeds]
+    with lockstep():
+        outputs = llm.generate([row[PROMPT_KEY] for row in rows], per_row, use_tqdm=use_tqdm)
+    completion_ids, texts, logprobs, reasons, versions = [], [], [], [], []
+    for output in outputs:
+        for sample in output.outputs:
+            completion_ids.append(list(sample.token_ids))
+            texts.append(sample.text)
+            logprobs.append(list(sample.logprobs or []))
+            reasons.append(sample.finish_reason or "length")
+            versions.append(sample.policy_version if sample.policy_version is not None else -1)
+    return RolloutBatch(
+        group_size=params.n,
+        rows=list(rows),
+        prompt_ids=[list(o.prompt_token_ids) for o in outputs],
+        completion_ids=completion_ids,
+        texts=texts,
+        rollout_logprobs=logprobs,
+        finish_reasons=reasons,
+        policy_versions=versions,
+    )
