@@ -226,7 +226,7 @@ def run_dpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
 
 def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp: Path) -> dict[str, Any]:
     from posttrain.estimate import TrainingSetup, estimate_memory, estimate_time
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig
 
     measured, records_by = {}, {}
     for allocator in args.allocators:
@@ -242,7 +242,7 @@ def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp
     cfg = GRPOConfig()
     group = cfg.rollout.samples_per_prompt
     # The engine's KV pool with data.eval_size=0: max_num_seqs = the rollout batch, each sequence
-    # max_prompt_tokens + max_tokens long, in whole 16-token blocks (posttrain.trainers.rl_run.engine_config).
+    # max_prompt_tokens + max_tokens long, in whole 16-token blocks (posttrain.trainers.rl.run.engine_config).
     seqs = cfg.rollout.prompts_per_step * group
     kv_tokens = seqs * math.ceil((cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens) / 16) * 16
     best: dict[str, Any] = {}

@@ -48,7 +48,7 @@ def prompt_batches(steps: int) -> list[list[dict]]:
 def setup_posttrain(out: Path, skip_zero_advantage: bool = True):
     from posttrain.config import load_config
     from posttrain.trainers.rl import setup_run
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig
 
     cfg = load_config(GRPOConfig, None, [
         "algorithm=grpo", f"rollout.prompts_per_step={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}",

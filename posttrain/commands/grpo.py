@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from posttrain.trainers.rl import train_grpo
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig
 
     train_grpo(parse_cli_config(GRPOConfig, args.argv))
     return 0

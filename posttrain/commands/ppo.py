@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posttrain.trainers.ppo import train_ppo
-    from posttrain.trainers.rl_config import PPOConfig
+    from posttrain.trainers.rl import train_ppo
+    from posttrain.trainers.rl.config import PPOConfig
 
     train_ppo(parse_cli_config(PPOConfig, args.argv))
     return 0

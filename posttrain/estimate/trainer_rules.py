@@ -85,7 +85,7 @@ def trunk_tokens(setup: TrainingSetup) -> tuple[int, int]:
 
     sft: B right-padded rows of seq_len. dpo, rm (dpo.collate_pairs, reward_model.pair_scores): the B
     chosen rows then the B rejected rows, right-padded to the longest of all 2B, in ONE forward.
-    grpo, ppo (posttrain.trainers.rl_batch): each group of group_size samples is ONE row, the prompt once
+    grpo, ppo (posttrain.trainers.rl.batch): each group of group_size samples is ONE row, the prompt once
     and then every completion without its last token."""
     if rules(setup).layout != "groups":
         return sequences(setup), setup.seq_len
@@ -159,7 +159,7 @@ def rm_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 
 def rl_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
-    """posttrain.trainers.rl_batch.packed_forward: index_select of the N predicting states, the LM head,
+    """posttrain.trainers.rl.batch.packed_forward: index_select of the N predicting states, the LM head,
     token_logprobs, and the scatter of the (N,) results into (B, L).
 
     Kept: index_select's int64 index; the (N, d) states when the LM head trains or a value head reads them

@@ -60,7 +60,7 @@ class OptimSection:
 @dataclass
 class TrainSection:
     """`train:` of the offline trainers (sft, dpo-family, rm, distill). Its `epochs` are passes over the training
-    data; RL's `train:` is rl_config.RLTrainSection, whose `epochs` are PPO epochs over each rollout batch."""
+    data; RL's `train:` is rl.config.RLTrainSection, whose `epochs` are PPO epochs over each rollout batch."""
 
     batch_size: int = 8  # rows (or packed rows) per forward pass
     grad_accum: int = 1  # forward passes per optimizer step; rows per step = batch_size * grad_accum

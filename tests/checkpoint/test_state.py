@@ -177,7 +177,7 @@ def test_truncate_metrics_drops_records_after_the_checkpoint(tmp_path: Path):
 
 def test_jsonl_prompt_source_resumes_its_order(tmp_path: Path):
     from posttrain.rollout.prompts import DatasetPrompts
-    from posttrain.trainers.rl_config import DataSection
+    from posttrain.trainers.rl.config import DataSection
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(5)))

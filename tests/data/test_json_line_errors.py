@@ -17,7 +17,7 @@ from posttrain.eval.perplexity import read_texts
 from posttrain.eval.prompts import file_rows
 from posttrain.rollout.prompts import DatasetPrompts
 from posttrain.tasks.gsm8k import load_gsm8k
-from posttrain.trainers.rl_config import DataSection
+from posttrain.trainers.rl.config import DataSection
 
 GOOD = b'{"prompt": "p", "question": "q", "answer": "#### 1", "text": "t"}\n'
 

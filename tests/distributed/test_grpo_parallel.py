@@ -16,7 +16,7 @@ from posttrain.config import load_config
 from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.rl import train_grpo
-from posttrain.trainers.rl_config import GRPOConfig
+from posttrain.trainers.rl.config import GRPOConfig
 from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.distributed.rl_setup import rl_overrides
 

@@ -36,7 +36,7 @@ def test_every_trainer_takes_fsdp2_with_adapters_and_refuses_unknown_strategies(
     from posttrain.trainers.distill import DistillConfig
     from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.reward_model import RMConfig
-    from posttrain.trainers.rl_config import GRPOConfig, PPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
 
     qlora = ["dist.strategy=fsdp2", "lora.r=4", "quant=int8"]
     load_config(SFTConfig, overrides=["data.path=x.jsonl", *qlora])
@@ -55,13 +55,13 @@ def test_every_trainer_takes_fsdp2_with_adapters_and_refuses_unknown_strategies(
 def test_batch_wide_methods_refuse_data_parallelism_by_name():
     from posttrain.trainers.distill import DistillConfig
     from posttrain.trainers.dpo import DPOConfig
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig
 
     load_config(DistillConfig, overrides=["data.path=x.jsonl", "teacher.name_or_path=t", "mode=on_policy",
                                           "dist.strategy=ddp"])  # each rank samples its share of the prompts
     load_config(DPOConfig, overrides=["data.path=x.jsonl", "loss=kto", "dist.strategy=fsdp2"])  # paired KTO runs
     load_config(GRPOConfig, overrides=["algorithm=dapo", "dist.strategy=ddp"])  # refills decided over all ranks
-    from posttrain.trainers.rl_config import PPOConfig
+    from posttrain.trainers.rl.config import PPOConfig
 
     load_config(PPOConfig, overrides=["dist.strategy=fsdp2"])  # the value head is sharded with the root group
     load_config(GRPOConfig, overrides=["algorithm=reinforce_pp", "dist.strategy=ddp"])  # whitened over the ranks
@@ -111,7 +111,7 @@ def test_nproc_is_found_among_the_overrides_too():
 
 
 def test_per_layer_rollout_weights_need_fsdp2_and_no_cuda_graphs():
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig
 
     load_config(GRPOConfig, overrides=["dist.strategy=fsdp2", "dist.rollout_weights=per_layer"])
     for strategy in ("none", "ddp"):

@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 from posttrain.config import load_config
 from posttrain.metrics import read_metrics
-from posttrain.trainers.ppo import VALUE_HEAD_FILE, train_ppo
-from posttrain.trainers.rl_config import PPOConfig
+from posttrain.trainers.rl import train_ppo
+from posttrain.trainers.rl.ppo import VALUE_HEAD_FILE
+from posttrain.trainers.rl.config import PPOConfig
 from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.distributed.rl_setup import rl_overrides
 from tests.trainers.rl_helpers import reward_file

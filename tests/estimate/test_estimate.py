@@ -130,7 +130,7 @@ def test_activation_count_matches_what_autograd_keeps(method: str) -> None:
 
 
 def test_grpo_activations_count_the_packed_rows_and_their_mask() -> None:
-    from posttrain.trainers.rl_batch import pack_groups
+    from posttrain.trainers.rl.batch import pack_groups
 
     torch.manual_seed(0)
     model = Transformer(tiny_model_config())
@@ -207,8 +207,8 @@ def _measure_rm(model: Transformer) -> tuple[int, TrainingSetup]:
 def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
     """packed_forward as the update calls it (entropy as a metric; PPO with its value head). The policy and
     value losses on the (B, L) outputs are not counted (docs/estimate.md says what they keep)."""
-    from posttrain.trainers.ppo import ValueHead
-    from posttrain.trainers.rl_batch import pack_groups, packed_forward
+    from posttrain.trainers.rl.ppo import ValueHead
+    from posttrain.trainers.rl.batch import pack_groups, packed_forward
 
     pack = pack_groups([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[[11, 12, 13, 14]] * 4, [[15, 16, 17, 18]] * 4])
     head = ValueHead(64, model.dtype, model.device) if trainer == "ppo" else None

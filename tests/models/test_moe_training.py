@@ -84,7 +84,7 @@ def test_sft_runs_on_a_tiny_moe_and_logs_router_metrics(tmp_path: Path) -> None:
 
 def test_grpo_runs_on_a_tiny_moe_and_logs_router_metrics(tmp_path: Path) -> None:
     from posttrain.trainers.rl import train_grpo
-    from posttrain.trainers.rl_config import GRPOConfig
+    from posttrain.trainers.rl.config import GRPOConfig
     from tests.trainers.rl_helpers import reward_file, tokenizer
 
     tok = tokenizer()

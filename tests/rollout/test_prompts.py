@@ -11,7 +11,7 @@ import pytest
 from posttrain.errors import PosttrainError
 from posttrain.rollout.batch import PROMPT_KEY
 from posttrain.rollout.prompts import DatasetPrompts, make_prompt_source
-from posttrain.trainers.rl_config import DataSection
+from posttrain.trainers.rl.config import DataSection
 
 ROWS = [{"question": f"{i} + 1", "answer": str(i + 1)} for i in range(5)]
 

@@ -14,7 +14,7 @@ from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger, read_metrics
 from posttrain.trackers import TRACKERS, resolve_report_to
 from posttrain.trackers.mlflow_tracker import mlflow_name
-from posttrain.trainers.rl_config import GRPOConfig, PPOConfig
+from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
 from posttrain.trainers.sft import SFTConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from posttrain.cli import main as cli_main
 from posttrain.config import load_config
 from posttrain.trackers.mlflow_tracker import mlflow_name
 from posttrain.trainers.rl import train_grpo
-from posttrain.trainers.rl_config import GRPOConfig
+from posttrain.trainers.rl.config import GRPOConfig
 from posttrain.trainers.sft import SFTConfig, train_sft
 from tests.data.tiny import save_tiny_model_dir, write_qa_jsonl
 from tests.trackers.conftest import offline_env

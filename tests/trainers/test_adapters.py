@@ -24,7 +24,7 @@ from posttrain.trainers.distill import DistillConfig, train_distill
 from posttrain.trainers.preference import reference
 from posttrain.trainers.preference.dpo import DPOConfig, train_dpo
 from posttrain.trainers.reward_model import RMConfig, train_reward_model
-from posttrain.trainers.rl_config import GRPOConfig, PPOConfig
+from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
 from posttrain.trainers.sft import SFTConfig, start_sft, train_sft
 from tests.data.tiny import save_tiny_model_dir
 from tests.trainers.pref_helpers import config, read_metrics, setup_dir

@@ -14,7 +14,7 @@ from posttrain.config import load_config
 from posttrain.trainers import loop, rl
 from posttrain.trainers.loop import run_steps
 from posttrain.trainers.progress import StepProgress, outlook
-from posttrain.trainers.rl_config import GRPOConfig
+from posttrain.trainers.rl.config import GRPOConfig
 from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
 BUDGET_S = 27 * 60

@@ -9,7 +9,7 @@ from pathlib import Path
 from posttrain.config import load_config
 from posttrain.rollout.evaluate import evaluate
 from posttrain.trainers.rl import rl_step, setup_run
-from posttrain.trainers.rl_config import GRPOConfig
+from posttrain.trainers.rl.config import GRPOConfig
 from tests.trainers.rl_helpers import REWARD_SOURCE, tiny_model, tokenizer
 
 BROKEN_JUDGE = REWARD_SOURCE + '''

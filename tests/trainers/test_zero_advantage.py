@@ -10,9 +10,9 @@ import torch
 
 from posttrain.config import load_config
 from posttrain.trainers.rl import rl_step, setup_run
-from posttrain.trainers.rl_batch import pack_groups, packed_forward
-from posttrain.trainers.rl_config import GRPOConfig
-from posttrain.trainers.zero_advantage import trained_packs, zero_advantage_is_free
+from posttrain.trainers.rl.batch import pack_groups, packed_forward
+from posttrain.trainers.rl.config import GRPOConfig
+from posttrain.trainers.rl.zero_advantage import trained_packs, zero_advantage_is_free
 from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
 

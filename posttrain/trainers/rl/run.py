@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from posttrain.algos.objective import ObjectiveParams
 from posttrain.checkpoint.resume import open_run
 from posttrain.checkpoint.state import Checkpointer
 from posttrain.distributed.env import is_main
+from posttrain.distributed.lockstep import Lockstep
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, open_metrics
 from posttrain.engine import LLM, EngineConfig, SamplingParams
@@ -28,9 +30,9 @@ from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
-from posttrain.trainers.ppo import ValueHead, save_value_head
-from posttrain.trainers.rl_batch import PackedGroups, packed_forward
-from posttrain.trainers.rl_config import (
+from posttrain.trainers.rl.ppo import ValueHead, save_value_head
+from posttrain.trainers.rl.batch import PackedGroups, packed_forward
+from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
     RLConfig,
     batch_sizes,
@@ -175,6 +177,11 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if start.checkpoint is not None:
         run.start_step = run.checkpointer.restore(start.checkpoint)
     return run
+
+
+def rollout_weights(run: RLRun) -> AbstractContextManager[Lockstep]:
+    """The weights the engine runs on (see `Parallel.rollout`); one process: the model as it is."""
+    return run.parallel.rollout() if run.parallel is not None else nullcontext(Lockstep.off())
 
 
 def policy_forward(run: RLRun, module: nn.Module, pack: PackedGroups, **kwargs: Any) -> Any:

@@ -22,11 +22,11 @@ from posttrain.distributed.env import all_reduce_sum, reduce_metrics
 from posttrain.models.moe import moe_blocks, router_loss_and_metrics
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.optim import optimizer_step
-from posttrain.trainers.rl_batch import PackedGroups, pack_groups
-from posttrain.trainers.rl_metrics import WeightedMeans
-from posttrain.trainers.rl_run import RLRun, policy_forward
+from posttrain.trainers.rl.batch import PackedGroups, pack_groups
+from posttrain.trainers.rl.metrics import WeightedMeans
+from posttrain.trainers.rl.run import RLRun, policy_forward
 from posttrain.rollout.batch import RolloutBatch
-from posttrain.trainers.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free
+from posttrain.trainers.rl.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free
 
 
 @dataclass
@@ -203,7 +203,7 @@ def _optimizer_step(run: RLRun, step: int, out: dict[str, float], tokens: float,
 
 def _trained_packs(run: RLRun, data: StepBatch, adv: Tensor) -> list[TrainedPack]:
     """The micro-batches the update runs: all of them, or without their zero-advantage groups when
-    those contribute exactly no gradient (see posttrain.trainers.zero_advantage)."""
+    those contribute exactly no gradient (see posttrain.trainers.rl.zero_advantage)."""
     cfg, params = run.cfg, run.objective
     free = zero_advantage_is_free(adv, kl_loss=params.kl_coef > 0, entropy_coef=params.entropy_coef,
                                   value_head=run.value_head is not None, router_loss=bool(moe_blocks(run.model)))

@@ -1,0 +1,154 @@
+"""The RL run for the GRPO family and PPO: setup, the time-budgeted loop of `rl_step`s through the shared
+step loop, the held-out evaluations before / during / after, and the final save (HF directory or PEFT
+adapter, and the value head beside it)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from tqdm.auto import tqdm
+
+from posttrain.distributed.env import barrier, broadcast_object, is_main
+from posttrain.errors import PosttrainError
+from posttrain.rollout.evaluate import evaluate
+from posttrain.trainers.adapters import save_final_dir, save_final_parallel
+from posttrain.trainers.loop import run_steps
+from posttrain.trainers.rl.config import GRPOConfig, PPOConfig, RLConfig
+from posttrain.trainers.rl.ppo import save_value_head
+from posttrain.trainers.rl.run import RLRun, rollout_weights, setup_run
+from posttrain.trainers.rl.step import rl_step
+
+
+def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
+    if not run.held_out:
+        return {}
+    start = time.perf_counter()
+    max_tokens = run.cfg.eval.max_tokens or run.cfg.rollout.max_tokens
+    # Under torchrun every rank evaluates every held-out prompt (greedy: the same answers everywhere), so the
+    # ranks stay in step with no reduction; rank 0 writes.
+    with rollout_weights(run) as lockstep:
+        metrics, samples = evaluate(run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold,
+                                    lockstep=lockstep)
+    metrics["time/eval_s"] = time.perf_counter() - start
+    if not is_main():
+        return metrics
+    with open(run.run_dir / f"eval-step{step:05d}.jsonl", "w", encoding="utf-8") as f:
+        for sample in samples:
+            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+    tqdm.write(f"step {step}: held-out greedy accuracy {metrics['eval/accuracy']:.3f} "
+               f"({len(run.held_out)} prompts, {metrics['time/eval_s']:.1f}s)")
+    return metrics
+
+
+def _save_final(run: RLRun) -> Path:
+    # The PEFT adapter with LoRA / QLoRA, else an HF directory; the value head goes beside either.
+    if run.parallel is not None and run.parallel.wrapped is not None:
+        out = save_final_parallel(run.parallel, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
+        if run.value_head is not None:
+            head = run.parallel.whole(run.value_head)  # fsdp2: gathered on rank 0; ddp: the same on every rank
+            if is_main():
+                save_value_head(head, out)
+            barrier()
+        return out
+    out = save_final_dir(run.model, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
+    if run.value_head is not None:
+        save_value_head(run.value_head, out)
+    return out
+
+
+# What the progress bar shows beside the loss, lr and tokens/s: {label: metric key}
+HEADLINE = {"reward": "reward/mean", "acc": "eval/accuracy", "len": "response_len/mean", "s/step": "time/step_s"}
+
+
+def _run_steps(run: RLRun, started: float, eval_s: float, desc: str) -> int:
+    """`rl_step` from the run's start to train.max_steps through the shared step loop (bar, records, checkpoints),
+    whose stop hook ends the run when the next step, the final evaluation (about `eval_s`) and the save no
+    longer fit in train.max_minutes counted from `started`; returns the steps done. The periodic evaluations
+    run inside the step (their metrics join its record); the final one is the caller's, after a stop too."""
+    cfg = run.cfg
+    budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes is not None else math.inf
+    # What the budget keeps after the last step: the final evaluation (as long as the first, and a margin) and
+    # the save. The stop rule leaves it out, and so does the progress bar's projection of the steps.
+    reserve_s = eval_s * 1.2 + 10
+    step_times: list[float] = []
+    done = run.start_step
+
+    def step(index: int) -> dict[str, Any]:
+        nonlocal done
+        metrics = rl_step(run, index + 1)
+        done = index + 1
+        step_times.append(metrics["time/step_s"])
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.max_steps:
+            metrics.update(_evaluate(run, done))
+        metrics["time/elapsed_min"] = (time.perf_counter() - started) / 60
+        run.history.append(metrics)
+        return metrics
+
+    def out_of_time(steps_done: int) -> bool:
+        elapsed = time.perf_counter() - started
+        next_step = max(step_times[-3:]) if step_times else 0.0
+        # the step, the final eval and the save fit; rank 0's clock decides for every rank
+        if not broadcast_object(elapsed + next_step + reserve_s > budget_s):
+            return False
+        tqdm.write(f"time budget of {cfg.train.max_minutes} min reached after {steps_done} steps")
+        return True
+
+    run_steps(step, max_steps=cfg.train.max_steps, optimizer=run.optimizer, metrics=run.logger,
+              save_every=cfg.train.save_every, save_fn=run.checkpointer.save, progress=cfg.log.progress and is_main(),
+              desc=desc, postfix=HEADLINE, start_step=run.start_step, should_stop=out_of_time,
+              budget_s=budget_s, started=started, reserve_s=reserve_s)
+    return done
+
+
+def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
+    """Run the RL loop to max_steps or the time budget; returns the run directory."""
+    started = time.perf_counter()
+    run = setup_run(cfg, command, model=model, tokenizer=tokenizer)
+    summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
+    try:
+        eval_s = 0.0
+        if cfg.eval.before and run.held_out and run.start_step == 0:
+            before = _evaluate(run, 0)
+            eval_s = before["time/eval_s"]
+            if run.logger is not None:
+                run.logger.log(0, before)
+            summary["accuracy_before"] = before["eval/accuracy"]
+        step = _run_steps(run, started, eval_s, desc=f"{command} ({run.algo.name})")
+        summary["steps"] = step
+        if run.held_out:
+            after = _evaluate(run, step)
+            if run.logger is not None:
+                run.logger.log(step, after)
+            summary["accuracy_after"] = after["eval/accuracy"]
+        if cfg.save_final:
+            summary["final"] = str(_save_final(run))
+        summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
+        if is_main():
+            (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    finally:
+        if run.logger is not None:
+            run.logger.close()
+    if "accuracy_after" in summary and is_main():
+        before_text = f"{summary['accuracy_before']:.1%} -> " if "accuracy_before" in summary else ""
+        print(f"held-out greedy accuracy: {before_text}{summary['accuracy_after']:.1%} "
+              f"({summary['steps']} steps, {summary['minutes']} min); run: {run.run_dir}")
+    return run.run_dir
+
+
+def train_grpo(cfg: GRPOConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
+    """Run `posttrain grpo` from a GRPOConfig (any GRPO-family `algorithm`); returns the run directory."""
+    if not isinstance(cfg, GRPOConfig):
+        raise PosttrainError(f"train_grpo needs a GRPOConfig, got {type(cfg).__name__} (PPO: train_ppo)")
+    return train(cfg, "grpo", model=model, tokenizer=tokenizer)
+
+
+def train_ppo(cfg: PPOConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
+    """Run `posttrain ppo` from a PPOConfig; returns the run directory."""
+    if not isinstance(cfg, PPOConfig):
+        raise PosttrainError(f"train_ppo needs a PPOConfig, got {type(cfg).__name__} (GRPO family: train_grpo)")
+    return train(cfg, "ppo", model=model, tokenizer=tokenizer)
