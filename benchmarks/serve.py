@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -90,7 +91,10 @@ async def one_client(client: httpx.AsyncClient, url: str, model: str, i: int, ma
 
 async def load_test(url: str, model: str, clients: int, max_tokens: int, timeout: float) -> dict:
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    # A server that requires a key (POSTTRAIN_API_KEY, which the started server reads too) gets the first one.
+    key = os.environ.get("POSTTRAIN_API_KEY", "").split(",")[0].strip()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, headers=headers) as client:
         before = (await client.get(url + "/debug/stats")).json()["models"][model]
         start = time.perf_counter()
         tasks = [one_client(client, url, model, i, max_tokens) for i in range(clients)]

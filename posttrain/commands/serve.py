@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from posttrain.commands.common import add_model_arguments
 from posttrain.errors import PosttrainError
@@ -14,7 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                         help="also serve a PEFT LoRA adapter as model NAME (repeatable)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0-65535; 0 picks a free port (default: 8000)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on every route but /health (repeatable or "
+                             "comma-separated; default: $POSTTRAIN_API_KEY, else no key)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default: 4 MiB)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None)
@@ -47,15 +52,30 @@ def run(args: argparse.Namespace) -> int:
         from posttrain.serve.app import build_app
     except ImportError as error:
         raise PosttrainError(f"serve needs FastAPI and uvicorn ({error}): pip install fastapi uvicorn") from None
+    from posttrain.serve import bind
+    from posttrain.serve.auth import ENV_VAR, resolve_api_keys
     from posttrain.serve.loading import load_served_models, parse_lora_specs
 
+    bind.check_port(args.port)
     if args.max_body_bytes < 1:
         raise PosttrainError(f"--max-body-bytes={args.max_body_bytes}: must be a positive integer")
+    api_keys = resolve_api_keys(args.api_key, os.environ)
     loras = parse_lora_specs(args.lora)
-    async_engine, tokenizer = load_served_models(args.model, loras, engine_config(args),
-                                                 served_model_name=args.served_model_name,
-                                                 dtype=args.dtype, device=args.device)
-    app = build_app(async_engine, tokenizer, max_body_bytes=args.max_body_bytes)
-    print(f"serving {', '.join(async_engine.models)} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    sock = bind.bind_socket(args.host, args.port)  # before the model loads: a busy port fails at once
+    try:
+        port = bind.bound_port(sock)
+        if not api_keys and not bind.is_loopback(sock):
+            print(f"warning: serving on {args.host}:{port} without an API key: anyone who can reach this address "
+                  f"can use the server; set --api-key or {ENV_VAR}", file=sys.stderr, flush=True)
+        async_engine, tokenizer = load_served_models(args.model, loras, engine_config(args),
+                                                     served_model_name=args.served_model_name,
+                                                     dtype=args.dtype, device=args.device)
+        app = build_app(async_engine, tokenizer, max_body_bytes=args.max_body_bytes, api_keys=api_keys)
+        bind.listen(sock, args.host)
+        guard = f" ({len(api_keys)} API key{'s' if len(api_keys) > 1 else ''})" if api_keys else ""
+        print(f"serving {', '.join(async_engine.models)} on {bind.url(args.host, port)}/v1{guard}", flush=True)
+        # log_level warning: no access log (it would show paths and client addresses, never headers).
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -1,7 +1,9 @@
 """The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /debug/stats.
 
-    app = build_app(async_engine, tokenizer, max_body_bytes=4 << 20)
+    app = build_app(async_engine, tokenizer, max_body_bytes=4 << 20, api_keys=["sk-..."])
     uvicorn.run(app, host="127.0.0.1", port=8000)
+
+With `api_keys`, every route but /health needs `Authorization: Bearer <key>` (auth.py).
 
 Every refusal is an OpenAI-shaped error (errors.py) and leaves the server as it was. A client that goes
 away has its requests aborted: streaming responses are cancelled by the server on disconnect, and
@@ -15,7 +17,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from posttrain.errors import PosttrainError
 from posttrain.serve import render
 from posttrain.serve.async_engine import AsyncEngine, EngineDeadError, ServedModel
+from posttrain.serve.auth import APIKeyAuth
 from posttrain.serve.errors import APIError, context_length_exceeded, error_body, model_not_found
 from posttrain.serve.protocol import (
     CHAT_ROLES,
@@ -48,8 +51,10 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 DISCONNECT_POLL_S = 0.1
 
 
-def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """A FastAPI app over a (not yet started) AsyncEngine; the app starts and stops its loop."""
+def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              api_keys: Sequence[str] = ()) -> FastAPI:
+    """A FastAPI app over a (not yet started) AsyncEngine; the app starts and stops its loop. With `api_keys`,
+    requests need one of them as a Bearer token (all routes but /health)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -60,6 +65,8 @@ def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int 
             async_engine.shutdown()
 
     app = FastAPI(title="posttrain", lifespan=lifespan)
+    if api_keys:
+        app.add_middleware(APIKeyAuth, keys=list(api_keys))
     api = _Handlers(async_engine, tokenizer, max_body_bytes)
     created = int(time.time())
 

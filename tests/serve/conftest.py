@@ -3,6 +3,7 @@ random model with the default model's real tokenizer, serving the base model and
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -67,10 +68,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="package")
-def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+@contextlib.contextmanager
+def running(app: object, **uvicorn_options: object) -> Iterator[str]:
+    """Serve `app` with uvicorn in a background thread on a free loopback port; yields the base URL."""
     import uvicorn
 
+    port = _free_port()
+    options = {"log_level": "warning", **uvicorn_options}
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **options))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="package")
+def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from posttrain.serve.app import build_app
     from posttrain.serve.loading import build_served_models
 
@@ -79,15 +100,5 @@ def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     config = EngineConfig(num_kv_blocks=2 * NUM_KV_BLOCKS, max_num_seqs=64, max_num_batched_tokens=512)
     async_engine = build_served_models(tiny_model(tokenizer), tokenizer, BASE, {LORA: adapter_dir}, config)
     app = build_app(async_engine, tokenizer, max_body_bytes=64 * 1024)
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    yield LiveServer(f"http://127.0.0.1:{port}", tokenizer, adapter_dir, async_engine)
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with running(app) as base_url:
+        yield LiveServer(base_url, tokenizer, adapter_dir, async_engine)
