@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+# The edit-test loop: everything but the torchrun launches and the default-model end-to-end tests.
+test-fast: setup
+	$(BIN)/python -m pytest tests -m "not slow and not torchrun"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -14,6 +14,16 @@ if str(ROOT) not in sys.path:  # lets tests import `tests.hf_oracle`
 
 torch.set_num_threads(2)
 
+# Fixtures that load the embedded default model (SmolLM2-135M): tests that take one are `slow`, as are the
+# modules marked so by hand; `make test-fast` leaves out `slow` and `torchrun` (tests/distributed's launches).
+DEFAULT_MODEL_FIXTURES = {"default_model_dir"}  # fixturenames holds the closure: the server fixture too
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

@@ -11,6 +11,8 @@ from posttrain.cli import main
 from posttrain.models.checkpoint_io import load_hf_dir
 from posttrain.models.hub import DEFAULT_MODEL, load_model, packaged_gguf_path
 
+pytestmark = pytest.mark.slow  # the embedded default model, loaded and converted
+
 
 @pytest.fixture(scope="module")
 def ours():
