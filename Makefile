@@ -30,5 +30,14 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest tests -m "not slow and not torchrun"
 
+# ruff's check and format, as CI runs them before the tests; `make format` rewrites the tree in place.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
 clean:
 	rm -rf $(VENV) .pytest_cache

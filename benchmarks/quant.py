@@ -137,7 +137,7 @@ def main() -> None:
     runners = {name: RUNNERS[args.runner](m, tokenizer, prompts, args.max_tokens) for name, m in variants.items()}
     best = {name: float("inf") for name in variants}
     tokens: dict[str, list[list[int]]] = {}
-    for name, runner in runners.items():  # warm-up (and builds the kernels' caches)
+    for runner in runners.values():  # warm-up (and builds the kernels' caches)
         runner.generate(2)
     for r in range(args.rounds):
         for name, runner in runners.items():

@@ -49,13 +49,13 @@ def load_optimizer_plain(optimizer: torch.optim.Optimizer, plain: dict[str, Any]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{source}: not an optimizer state ({error!r})") from None
     live = optimizer.param_groups
-    if len(groups) != len(live) or any(len(g["params"]) != len(l["params"]) for g, l in zip(groups, live)):
+    if len(groups) != len(live) or any(len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, live)):
         raise CheckpointError(
             f"{source}: the optimizer state has {[len(g['params']) for g in groups]} parameters per group, this "
-            f"run's optimizer {[len(l['params']) for l in live]} (a different model, LoRA config or head?)")
+            f"run's optimizer {[len(mine['params']) for mine in live]} (a different model, LoRA config or head?)")
     # JSON has no tuples: give back the live type (AdamW's betas) so the groups compare equal after loading.
-    groups = [{k: tuple(v) if isinstance(l.get(k), tuple) and isinstance(v, list) else v for k, v in g.items()}
-              for g, l in zip(groups, live)]
+    groups = [{k: tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v for k, v in g.items()}
+              for g, mine in zip(groups, live)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

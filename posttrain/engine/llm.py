@@ -107,7 +107,7 @@ class LLM:
                 raise PosttrainError(f"got {len(params_list)} SamplingParams for {len(batch)} prompts")
         encoded = [self.encode_prompt(p) for p in batch]
         ids = [f"gen-{next(self._request_ids)}" for _ in batch]
-        for request_id, (text, token_ids), sp in zip(ids, encoded, params_list):  # refuse bad requests up front
+        for request_id, (_, token_ids), sp in zip(ids, encoded, params_list):  # refuse bad requests up front
             self.engine.check_request(request_id, token_ids, sp)
         for request_id, (text, token_ids), sp in zip(ids, encoded, params_list):
             self.engine.add_request(request_id, token_ids, sp, prompt=text)

@@ -189,7 +189,7 @@ def gptq_quantize_model(
         layer = model.layers[index]
         prefix = f"layers.{index}."
         mine = {name: model.get_submodule(name) for name in names if name.startswith(prefix)}
-        for stage in _stages(mine, lambda c: run_layer(layer, c, batches[:1])) if true_sequential else [list(mine)]:
+        for stage in _stages(mine, lambda c: run_layer(layer, c, batches[:1])) if true_sequential else [list(mine)]:  # noqa: B023 (called in this iteration)
             collector = _HessianCollector({name: mine[name] for name in stage}, stop=true_sequential)
             try:
                 run_layer(layer, collector)

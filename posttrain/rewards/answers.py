@@ -40,10 +40,8 @@ def _to_decimal(match: re.Match[str]) -> Decimal:
 
 def last_number(text: str) -> Decimal | None:
     """The last number written in `text`, or None if there is none."""
-    match = None
-    for match in NUMBER_RE.finditer(text):
-        pass
-    return None if match is None else _to_decimal(match)
+    matches = list(NUMBER_RE.finditer(text))
+    return _to_decimal(matches[-1]) if matches else None
 
 
 def parse_number(text: str) -> Decimal | None:
@@ -54,10 +52,8 @@ def parse_number(text: str) -> Decimal | None:
 
 def gsm8k_final_answer(text: str) -> Decimal | None:
     """The number after the last `#### ` in `text`, or None if there is no `#### <number>`."""
-    match = None
-    for match in _GSM8K_ANSWER_RE.finditer(text):
-        pass
-    return None if match is None else _to_decimal(match)
+    matches = list(_GSM8K_ANSWER_RE.finditer(text))
+    return _to_decimal(matches[-1]) if matches else None
 
 
 def reference_number(value: Any, *, column: str = "answer", index: int = 0) -> Decimal | None:

@@ -21,7 +21,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     parameter shared by two modules (tied embeddings / LM head) appears once.
     """
     decay, no_decay = [], []
-    for name, param in model.named_parameters():  # yields each shared parameter once
+    for param in model.parameters():  # yields each shared parameter once
         if not param.requires_grad:
             continue
         # Norm weights and biases are the 1-D parameters; embeddings and projections are decayed.

@@ -108,7 +108,7 @@ def test_trackers_get_each_record_as_metrics_jsonl_reads_it(tmp_path, fake):
     assert tracker.closed
     records = read_metrics(run_dir)
     assert [step for step, _ in tracker.logged] == [r["step"] for r in records] == [1, 2]
-    for (step, sent), record in zip(tracker.logged, records):
+    for (_, sent), record in zip(tracker.logged, records):
         assert set(sent) == set(record) - {"step", "time"}
         assert all(sent[k] == record[k] or (math.isnan(sent[k]) and math.isnan(record[k])) for k in sent)
     assert isinstance(tracker.logged[1][1]["loss"], float) and tracker.logged[1][1]["grad_norm"] == math.inf

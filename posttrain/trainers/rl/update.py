@@ -126,7 +126,7 @@ def update_policy(run: RLRun, step: int, data: StepBatch, targets: UpdateTargets
             for param in run.trainable:
                 param.grad = torch.zeros_like(param)
         out = accumulate_gradients(
-            trained, lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),
+            trained, lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),  # noqa: B023 (called in this iteration)
             denominators, run.parallel)
         tokens += out.pop("tokens", 0)
         _optimizer_step(run, step, out, counts["tokens"], means)
