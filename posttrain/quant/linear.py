@@ -11,7 +11,8 @@ How the matmul runs is chosen per call from KERNELS (first one that supports the
   this CPU (AVX-512): 2-3x faster than an fp32 matmul for decode-sized inputs (a few rows), slower than
   fp32 for prefill-sized ones; their fp32-activation variants were 10-100x slower, so not used.
 - `int_mm`: W8A8, per-token dynamic int8 activations times int8 weights with `torch._int_mm` (int32
-  accumulation, exact); measured 1-3x faster than fp32 on this CPU (VNNI).
+  accumulation, exact); measured 1-3x faster than fp32 on this CPU (VNNI). Taken only where a probe finds it
+  exact (`int_mm_is_exact`: without VNNI oneDNN's int8 GEMM saturates).
 - `reference`: dequantize the weight (fp32 math, cast to the input dtype), then `F.linear`; for W8A8 the
   activations are fake-quantized first. Runs on any device; the exact semantics of the scheme. Measured
   5-10x slower than fp32 per call on CPU (it writes a full float weight every call): a fallback.
@@ -303,9 +304,27 @@ def _cpu_int8_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@functools.lru_cache(maxsize=None)
+def int_mm_is_exact() -> bool:
+    """Whether torch's CPU `_int_mm` sums int8 x int8 products exactly here (checked once, on codes that pair
+    +127 * +127 products). Without VNNI, oneDNN's int8 GEMM adds pairs of products in int16 and saturates (measured
+    off by up to 9e4 over 576 terms with oneDNN capped at AVX2): W8A8 then takes the reference kernel."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (32, 256), generator=gen, dtype=torch.int8)
+    b = torch.randint(-127, 128, (256, 64), generator=gen, dtype=torch.int8)
+    a[:, :16], b[:16, :] = 127, 127  # the sums that overflow int16 first
+    try:
+        got = torch._int_mm(a, b)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(got.long(), a.long() @ b.long()))
+
+
 def _int_mm_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
     # Verified on CPU only; CUDA's _int_mm has shape limits (more than 16 rows, multiples of 8) left untested.
-    return layer.scheme.activation_bits == 8 and x.device.type == "cpu" and hasattr(torch, "_int_mm")
+    return layer.scheme.activation_bits == 8 and x.device.type == "cpu" and int_mm_is_exact()
 
 
 def _int_mm_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,13 @@ from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors
 from posttrain.trainers.rl import train_grpo
 from posttrain.trainers.rl.config import GRPOConfig
+from tests.distributed.equivalence import assert_same_steps, assert_same_weights
 from tests.distributed.launch import final_weights, max_difference, torchrun
-from tests.distributed.rl_setup import rl_overrides
+from tests.distributed.rl_setup import LR, rl_overrides
+from tests.numeric import EQUIVALENCE_EPS
 from tests.trainers.rl_helpers import reward_file
 
-TOLERANCE = 1e-5
+SAMPLED = ("num_samples", "reward/mean", "response_len/mean")  # of the same completions at every step
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +29,6 @@ def base(tmp_path_factory) -> list[str]:
     """4 prompts x 4 samples a step, micro-batches of one group (the rest: tests/distributed/rl_setup.py)."""
     return rl_overrides(tmp_path_factory.mktemp("grpo-variants"), "rollout.samples_per_prompt=4",
                         "train.micro_batch_size=4")
-
-
-def _compare(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for mine, theirs in zip(got, want):
-        assert mine["num_samples"] == theirs["num_samples"]
-        for key in keys:
-            assert abs(mine[key] - theirs[key]) <= TOLERANCE * max(1.0, abs(theirs[key])), (mine["step"], key)
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +43,11 @@ def test_two_processes_whiten_reinforce_pp_as_one(strategy, base, reinforce_pp_o
     torchrun(2, ["grpo", *base, "algorithm=reinforce_pp", f"out={out}", f"dist.strategy={strategy}"])
     got, want = read_metrics(out), read_metrics(reinforce_pp_one)
     assert len(want) == 2 and want[0]["num_samples"] == 16
-    _compare(got, want, ("reward/mean", "response_len/mean", "loss", "grad_norm"))
+    assert_same_steps(got, want, lr=LR, eps=EQUIVALENCE_EPS, compared=["grad_norm"], sampled=SAMPLED)
     reference = final_weights(reinforce_pp_one)
     model_dir = Path(next(o for o in base if o.startswith("model.")).split("=", 1)[1])
     assert max_difference(read_safetensors(model_dir), reference) > 1e-3  # the steps moved the weights
-    assert max_difference(final_weights(out), reference) <= TOLERANCE
+    assert_same_weights(final_weights(out), reference, lr=LR, eps=EQUIVALENCE_EPS, updates=2)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +69,6 @@ def test_two_processes_drop_and_refill_the_groups_of_one(strategy, dapo_one, tmp
     got, want = read_metrics(out), read_metrics(one)
     assert sum(r["dapo/dropped_groups"] for r in want) > 0 and sum(r["dapo/refill_rounds"] for r in want) >= 1
     # The same refill decisions (taken on every rank's groups), the same kept groups, the same update.
-    _compare(got, want, ("dapo/dropped_groups", "dapo/refill_rounds", "dapo/extra_prompts", "dapo/kept_groups",
-                         "reward/mean", "response_len/mean", "loss", "grad_norm"))
-    assert max_difference(final_weights(out), final_weights(one)) <= TOLERANCE
+    decisions = ("dapo/dropped_groups", "dapo/refill_rounds", "dapo/extra_prompts", "dapo/kept_groups")
+    assert_same_steps(got, want, lr=LR, eps=EQUIVALENCE_EPS, compared=["grad_norm"], sampled=[*decisions, *SAMPLED])
+    assert_same_weights(final_weights(out), final_weights(one), lr=LR, eps=EQUIVALENCE_EPS, updates=2)

@@ -54,7 +54,7 @@ def _with_cache(meta: PagedAttentionMetadata, cache: torch.Tensor) -> PagedAtten
     "bs, hkv, heads_per_kv, D",
     [(16, 3, 3, 64), (16, 2, 1, 128), (8, 1, 4, 72), (4, 2, 3, 8)],  # SmolLM2's shapes; MHA; MQA + a 64+8 head
 )
-def test_decode_kernel_matches_reference(bs: int, hkv: int, heads_per_kv: int, D: int) -> None:
+def test_decode_kernel_matches_reference(bs: int, hkv: int, heads_per_kv: int, D: int, kernel_march: str) -> None:
     rng = random.Random(bs + D)
     torch.manual_seed(D)
     # Siblings of one prompt (cascade), a lone sequence, a group whose prompt is under one block
@@ -69,7 +69,7 @@ def test_decode_kernel_matches_reference(bs: int, hkv: int, heads_per_kv: int, D
 
 
 @needs_kernels
-def test_decode_kernel_is_exact_on_peaked_and_flat_scores() -> None:
+def test_decode_kernel_is_exact_on_peaked_and_flat_scores(kernel_march: str) -> None:
     """Large scores (a running max that jumps across blocks, weights that underflow to 0) and tiny ones
     (a flat softmax): the online softmax stays exact, measured against an fp64 softmax. With scores in the
     hundreds, fp32 rounding of the scores alone moves outputs by up to ~5e-4 (PyTorch's fp32 path as much as
@@ -86,7 +86,7 @@ def test_decode_kernel_is_exact_on_peaked_and_flat_scores() -> None:
 
 
 @needs_kernels
-def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(monkeypatch: pytest.MonkeyPatch, kernel_march: str) -> None:
     """Decode rows between prefill rows: the native and the PyTorch fast paths give the same outputs and
     the same cache."""
     from tests.engine.test_paged_attention import _layout
@@ -112,7 +112,7 @@ def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(monkeypatch: pytest
 
 
 @needs_kernels
-def test_native_write_kv_skips_negative_slots() -> None:
+def test_native_write_kv_skips_negative_slots(kernel_march: str) -> None:
     cache = torch.randn(2, 10, 4, 2, 8)
     expected = cache.clone()
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
@@ -198,7 +198,34 @@ def test_the_kernels_build_wherever_a_c_compiler_with_openmp_is_present(monkeypa
     if _openmp_compiler(workdir) is None:
         pytest.skip("no C compiler that builds an OpenMP shared library here")
     monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
-    lib = ctypes.CDLL(str(cpu_kernels._build()))
+    lib = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.target_march())))
     missing = [name for name in cpu_kernels.SIGNATURES if not hasattr(lib, name)]
     assert not missing, f"the built kernels do not export {missing}"
     assert cpu_kernels.library() is not None
+
+
+@needs_kernels
+def test_each_target_gets_its_own_build(monkeypatch: pytest.MonkeyPatch, fresh_library) -> None:
+    if cpu_kernels.runs_here("x86-64-v3") is not True:
+        pytest.skip("this CPU does not run x86-64-v3 code")
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "native")
+    assert cpu_kernels.library() is not None
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "x86-64-v3")
+    cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() is not None
+    assert len(list((fresh_library / "kernels").glob("*.so"))) == 2  # one per -march, neither loaded for the other
+
+
+def test_a_target_this_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch, fresh_library,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Code for an instruction set the CPU lacks would die of SIGILL on its first call: not built, not loaded."""
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    avx2_only = " ".join(sorted(cpu_kernels.X86_LEVELS["x86-64-v3"]))
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: f"x86_64\nflags\t\t: {avx2_only}".encode())
+    assert cpu_kernels.runs_here("x86-64-v3") is True and cpu_kernels.runs_here("x86-64-v4") is False
+    assert cpu_kernels.runs_here("znver5") is None  # not a level we know the needs of: left to the compiler
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "x86-64-v4")
+    with caplog.at_level(logging.WARNING, logger="posttrain.models"):
+        assert cpu_kernels.library() is None
+    assert "POSTTRAIN_CPU_KERNELS_MARCH=x86-64-v4 names an instruction set this CPU lacks" in caplog.text
+    assert not (fresh_library / "kernels").exists()

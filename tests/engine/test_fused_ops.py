@@ -26,20 +26,20 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 @needs_kernels
 @pytest.mark.parametrize("shape", [(512, 576), (3, 7), (2, 5, 9, 64), (1, 1)])
-def test_rms_norm_matches_pytorch(shape: tuple[int, ...]) -> None:
+def test_rms_norm_matches_pytorch(shape: tuple[int, ...], kernel_march: str) -> None:
     torch.manual_seed(len(shape))
     x, weight = torch.randn(shape) * 4, torch.randn(shape[-1])
     torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5), rtol=2e-6, atol=2e-6)
 
 
 @needs_kernels
-def test_rms_norm_of_zeros_is_zeros_not_nan() -> None:
+def test_rms_norm_of_zeros_is_zeros_not_nan(kernel_march: str) -> None:
     assert torch.equal(fused.rms_norm(torch.zeros(4, 16), torch.ones(16), 1e-6), torch.zeros(4, 16))
 
 
 @needs_kernels
 @pytest.mark.parametrize("shape", [(512, 576), (3, 10)])
-def test_add_rms_norm_returns_the_sum_and_its_norm(shape: tuple[int, ...]) -> None:
+def test_add_rms_norm_returns_the_sum_and_its_norm(shape: tuple[int, ...], kernel_march: str) -> None:
     torch.manual_seed(1)
     x, delta, weight = torch.randn(shape), torch.randn(shape) * 3, torch.randn(shape[-1])
     total, normed = fused.add_rms_norm(x, delta, weight, 1e-6)
@@ -50,7 +50,7 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(shape: tuple[int, ...]) -> No
 
 @needs_kernels
 @pytest.mark.parametrize("lead, heads, d", [((512,), 9, 64), ((512,), 3, 64), ((2, 7), 4, 8), ((5,), 1, 2)])
-def test_rotary_matches_apply_rotary(lead: tuple[int, ...], heads: int, d: int) -> None:
+def test_rotary_matches_apply_rotary(lead: tuple[int, ...], heads: int, d: int, kernel_march: str) -> None:
     torch.manual_seed(d)
     rope = RotaryEmbedding(d, 10000.0, None, 4096)
     cos, sin = rope(torch.randint(0, 4000, lead))  # (..., d)
@@ -67,7 +67,7 @@ def test_rotary_refuses_cos_of_another_length() -> None:
 
 
 @needs_kernels
-def test_silu_mul_matches_pytorch_including_large_gates() -> None:
+def test_silu_mul_matches_pytorch_including_large_gates(kernel_march: str) -> None:
     torch.manual_seed(2)
     gate, up = torch.randn(512, 1536) * 8, torch.randn(512, 1536)
     gate[0, :6] = torch.tensor([200.0, -200.0, 88.5, -88.5, 0.0, -0.0])  # past the exp's clamp, and zero
@@ -107,7 +107,7 @@ def test_scope_is_inert_with_the_kernels_turned_off(monkeypatch: pytest.MonkeyPa
 
 @needs_kernels
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3's per-head q/k norms
-def test_model_forward_in_the_scope_matches_pytorch(qk_norm: bool) -> None:
+def test_model_forward_in_the_scope_matches_pytorch(qk_norm: bool, kernel_march: str) -> None:
     cfg = ModelConfig(model_type="qwen3" if qk_norm else "llama", hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=80, head_dim=16,
                       max_position_embeddings=128, qk_norm=qk_norm)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from posttrain.models.attention import PagedAttentionMetadata
 from posttrain.models.config import ModelConfig
 from posttrain.models.paged_attention import paged_attention, reference_paged_attention
 from posttrain.models.transformer import Transformer
+from tests.engine.kernel_builds import KERNEL_MARCHES, forget_kernels, use_kernels_built_for
 
 BS, HKV, H, D = 4, 2, 6, 8
 
@@ -36,14 +38,16 @@ def _layout(rng: random.Random, num_blocks: int) -> tuple[list[list[int]], list[
     return tables, ctx, qlens
 
 
-@pytest.fixture(params=["native", "pytorch"])
-def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each CPU fast path: the C kernels (when they build here) and the PyTorch one."""
-    if request.param == "native" and cpu_kernels.library() is None:
-        pytest.skip("no C compiler with OpenMP here")
+@pytest.fixture(params=[*KERNEL_MARCHES, "pytorch"])
+def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each CPU fast path: the C kernels built for each instruction set (when they build and run here,
+    tests/engine/conftest.py) and the PyTorch one."""
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
-    return request.param
+    else:
+        use_kernels_built_for(request.param, monkeypatch)
+    yield request.param
+    forget_kernels()
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +16,8 @@ from torch import nn
 
 from posttrain.errors import PosttrainError
 from posttrain.quant import SCHEMES, QuantizedLinear, dequantize_model, get_scheme, quantize_model, set_compute
-from posttrain.quant.linear import cpu_int4_layout_matches
+from posttrain.quant import linear
+from posttrain.quant.linear import cpu_int4_layout_matches, int_mm_is_exact
 from tests.quant.tiny import tiny_model
 
 # Relative output error vs the fp32 layer on Gaussian weights and inputs (RTN, measured ~0.5% / ~7%).
@@ -52,7 +58,8 @@ def test_output_close_to_fp32_and_kernel_close_to_reference(name, shape):
 
 def test_cpu_kernel_choice():
     x = torch.randn(4, 576)
-    assert QuantizedLinear.from_linear(gaussian_linear(576, 64), "w8a8").kernel_for(x).name == "int_mm"
+    w8a8 = QuantizedLinear.from_linear(gaussian_linear(576, 64), "w8a8").kernel_for(x).name
+    assert w8a8 == ("int_mm" if int_mm_is_exact() else "reference")
     assert QuantizedLinear.from_linear(gaussian_linear(576, 64), "int8").kernel_for(x).name == "cpu_int8_bf16"
     int4 = QuantizedLinear.from_linear(gaussian_linear(576, 64), "int4-g128")  # 576 = 4 x 128 + 64: kernel groups of 64
     assert int4.kernel_for(x).name == ("cpu_int4_bf16" if cpu_int4_layout_matches() else "reference")
@@ -64,7 +71,58 @@ def test_cpu_kernel_choice():
 
 
 def test_cpu_int4_layout_matches_torch():
+    """Our tiles64 layout is the one torch packs int4 in for its AVX-512 kernels; its AVX2 ones pack another, and
+    int4 layers take the reference kernel there (test_kernels_on_a_cpu_without_avx512_or_vnni)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip(f"torch runs its {torch.backends.cpu.get_cpu_capability()} kernels here")
     assert cpu_int4_layout_matches(), "torch's CPU int4 kernel no longer reads our layout: it falls back to reference"
+
+
+def test_w8a8_takes_int_mm_only_where_it_is_exact(monkeypatch: pytest.MonkeyPatch):
+    layer, x = QuantizedLinear.from_linear(gaussian_linear(576, 64), "w8a8"), torch.randn(4, 576)
+    for exact, kernel in ((True, "int_mm"), (False, "reference")):
+        monkeypatch.setattr(linear, "int_mm_is_exact", lambda exact=exact: exact)
+        assert layer.kernel_for(x).name == kernel
+
+
+# Run in a fresh interpreter: what each scheme's kernel and output are with torch's kernels for AVX2 and oneDNN
+# kept from VNNI and AVX-512 (the settings are read when torch loads).
+_AVX2_PROBE = """
+import json, torch
+from posttrain.quant import SCHEMES, QuantizedLinear
+from posttrain.quant.linear import cpu_int4_layout_matches, int_mm_is_exact
+torch.manual_seed(0)
+fp32 = torch.nn.Linear(576, 192)
+x = torch.randn(7, 576)
+out = {"capability": torch.backends.cpu.get_cpu_capability(), "int_mm_exact": int_mm_is_exact(),
+       "int4_layout": cpu_int4_layout_matches(), "schemes": {}}
+for name in SCHEMES:
+    layer = QuantizedLinear.from_linear(fp32, name)
+    kernel, y = layer.kernel_for(x).name, layer(x)
+    layer.compute = "reference"
+    reference = layer(x)
+    out["schemes"][name] = [kernel, ((y - reference).norm() / reference.norm()).item()]
+print(json.dumps(out))
+"""
+
+
+def test_kernels_on_a_cpu_without_avx512_or_vnni():
+    """On an AVX2-only CPU every scheme still computes what its reference kernel does: int4 falls back (torch's
+    AVX2 packing is not our layout), W8A8 too where `_int_mm` saturates, and the bf16 kernels stay within bf16's
+    rounding. This machine's own kernels are the other tests'; here torch and oneDNN are held to AVX2."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout)
+    if probe["capability"] not in ("AVX2", "DEFAULT"):
+        pytest.skip(f"torch would not run its AVX2 kernels here ({probe['capability']})")
+    for name, (kernel, error) in probe["schemes"].items():
+        assert error < 6e-3, (name, kernel, error)  # bf16 activations: a few 1e-3; reference and exact int_mm: ~0
+        if get_scheme(name).bits == 4:
+            assert kernel == ("cpu_int4_bf16" if probe["int4_layout"] else "reference"), name
+        if name == "w8a8":
+            assert kernel == ("int_mm" if probe["int_mm_exact"] else "reference")
 
 
 @pytest.mark.parametrize("name", ["int4-g128-asym", "int8-asym"])

@@ -9,6 +9,7 @@ from posttrain.engine import LLM, SamplingParams
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
 from posttrain.trainers.rl.batch import pack_groups, packed_forward, per_sample_logprobs
+from tests.numeric import assert_reordered
 from tests.trainers.rl_helpers import tiny_model, tokenizer
 
 
@@ -54,8 +55,8 @@ def test_packed_forward_matches_per_sample_forward(temperature: float) -> None:
     flat_completions = [c for grp in completions for c in grp]
     with torch.no_grad():
         reference = per_sample_logprobs(model, flat_prompts, flat_completions, temperature)
-    for b, ref in enumerate(reference):
-        assert (out.logprobs[b, : len(ref)] - ref).abs().max() <= 1e-5
+    for b, ref in enumerate(reference):  # the same logprobs up to the sums' order (tests/numeric.py)
+        assert_reordered(out.logprobs[b, : len(ref)], ref)
         assert out.logprobs[b, len(ref):].abs().sum() == 0
     assert torch.isfinite(out.entropy).all()
 
@@ -72,7 +73,7 @@ def test_packed_gradients_match_per_sample_gradients() -> None:
     per_sample = per_sample_logprobs(model, flat_prompts, [c for grp in completions for c in grp], 1.0)
     sum(w * lp.sum() for w, lp in zip(weights, per_sample)).backward()
     for got, p in zip(packed_grads, model.parameters()):
-        torch.testing.assert_close(got, p.grad, atol=1e-5, rtol=1e-4)
+        assert_reordered(got, p.grad)
 
 
 def test_recomputed_logprobs_equal_engine_rollout_logprobs() -> None:
@@ -85,8 +86,8 @@ def test_recomputed_logprobs_equal_engine_rollout_logprobs() -> None:
     with torch.no_grad():
         ours = packed_forward(model, packed, 0.8).logprobs
     for b, sample in enumerate(s for o in outs for s in o.outputs):
-        engine = torch.tensor(sample.logprobs)
-        assert (ours[b, : len(engine)] - engine).abs().max() <= 1e-4
+        engine = torch.tensor(sample.logprobs)  # paged attention and the C kernels: every sum in another order
+        assert_reordered(ours[b, : len(engine)], engine)
 
 
 def test_selecting_groups_of_a_pack_is_packing_them_alone() -> None:

@@ -13,6 +13,7 @@ from posttrain.trainers.rl import rl_step, setup_run
 from posttrain.trainers.rl.batch import pack_groups, packed_forward
 from posttrain.trainers.rl.config import GRPOConfig
 from posttrain.trainers.rl.zero_advantage import trained_packs, zero_advantage_is_free
+from tests.numeric import assert_reordered
 from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
 
@@ -47,7 +48,8 @@ def test_trained_packs_drop_dead_groups_and_keep_rows_aligned(tok) -> None:
         full = packed_forward(model, packs[0], 1.0).logprobs  # (2G, L)
         trimmed = packed_forward(model, plan[0].pack, 1.0).logprobs  # (G, L')
     L = trimmed.shape[1]
-    torch.testing.assert_close(trimmed, full[plan[0].rows.tolist(), :L], rtol=0, atol=1e-6)
+    # Fewer rows and a shorter pack: the same logprobs up to the sums' order (tests/numeric.py).
+    assert_reordered(trimmed, full[plan[0].rows.tolist(), :L])
     # Under torchrun no micro-batch goes empty: it keeps its first group.
     kept = trained_packs(packs, slices, adv, G, keep_one=True)
     assert kept[1].pack is not None and kept[1].rows.tolist() == [6, 7, 8] and kept[1].skipped_groups == 1

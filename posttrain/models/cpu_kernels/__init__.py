@@ -8,8 +8,10 @@ that cannot be done (no compiler, no OpenMP, an unwritable cache, a failed build
 compiler's message), or when POSTTRAIN_CPU_KERNELS=0. The callers then take the pure-PyTorch path, which
 computes the same attention more slowly.
 
-The build uses OpenMP and `-march=native`. The shared object needs libgomp.so.1, the soname PyTorch's
-own OpenMP runtime has on Linux, so the kernels run on the threads of torch's intra-op pool.
+The build uses OpenMP and `-march=native`, or the target POSTTRAIN_CPU_KERNELS_MARCH names (a GCC -march value,
+e.g. x86-64-v3: AVX2 and FMA; x86-64-v4: AVX-512), which the tests use to check the AVX2 build on an AVX-512 CPU.
+The shared object needs libgomp.so.1, the soname PyTorch's own OpenMP runtime has on Linux, so the kernels run on
+the threads of torch's intra-op pool.
 """
 
 from __future__ import annotations
@@ -35,8 +37,15 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c"]
 HEADERS = [HERE / "vec_math.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+MARCH_ENV = "POSTTRAIN_CPU_KERNELS_MARCH"  # the instruction set to build for; unset: the CPU's own ("native")
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]  # + -march=<target_march()>
 LANES = 8  # head_dim must be a multiple of the kernel's vector width
+# What the psABI's x86-64 levels need of the CPU, in /proc/cpuinfo's names: code built for a level the CPU lacks
+# dies of SIGILL on its first call, so `library` refuses such a build instead.
+_V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+X86_LEVELS = {"x86-64-v2": _V2, "x86-64-v3": _V3, "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                                                     "avx512vl"}}
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # the argument types of each function the library exports; all return void
@@ -60,8 +69,13 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (see the module docstring)."""
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
+    march = target_march()
+    if runs_here(march) is False:
+        logger.warning("posttrain: %s=%s names an instruction set this CPU lacks; the native CPU kernels are not "
+                       "used (the engine runs them in PyTorch)", MARCH_ENV, march)
+        return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(_build(march)))
     except (KernelBuildError, OSError) as e:
         logger.warning("posttrain: native CPU kernels unavailable, the engine's decode attention, elementwise ops "
                        "and sampling run in PyTorch (slower): %s", e)
@@ -70,6 +84,23 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None
     return lib
+
+
+def target_march() -> str:
+    """The -march the kernels are built for: POSTTRAIN_CPU_KERNELS_MARCH, else "native" (this CPU's features)."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def runs_here(march: str) -> bool | None:
+    """Whether this CPU runs code built for `march`: True for native, an x86-64 level checked against the CPU's
+    flags, None where that cannot be told (another target, or no /proc/cpuinfo)."""
+    if march == "native":
+        return True
+    if march not in X86_LEVELS or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in _cpu_identity().decode().splitlines()
+                  if line.startswith("flags")), None)
+    return None if flags is None else X86_LEVELS[march] <= set(flags)
 
 
 def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -121,13 +152,15 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tup
     return tokens, logprobs
 
 
-def _build() -> Path:
-    """Compile SOURCES into the cache (once per source, compiler, flags and CPU) and return the library's path."""
+def _build(march: str) -> Path:
+    """Compile SOURCES for `march` into the cache (once per source, compiler, flags and CPU) and return the
+    library's path."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    flags = [*FLAGS, f"-march={march}"]
     sources = [path.read_bytes() for path in SOURCES + HEADERS]
-    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(), _cpu_identity()]))
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(flags).encode(), _cpu_identity()]))
     target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -137,7 +170,7 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial], capture_output=True,
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", partial], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             names = ", ".join(path.name for path in SOURCES)
