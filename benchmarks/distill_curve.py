@@ -69,8 +69,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def teacher_completions(teacher: str, questions: list[str], max_new_tokens: int) -> list[str]:
     """The teacher's greedy continuation of each question (as a one-turn chat)."""
     llm = LLM(teacher)
-    outputs = llm.generate([[{"role": "user", "content": q}] for q in questions],
-                           SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
+    outputs = llm.generate(
+        [[{"role": "user", "content": q}] for q in questions],
+        SamplingParams(temperature=0.0, max_tokens=max_new_tokens),
+    )
     return [o.outputs[0].text for o in outputs]
 
 
@@ -87,11 +89,16 @@ class EvalFollower(threading.Thread):
             return
         text = self.path.read_text()
         complete = text[: text.rfind("\n") + 1].splitlines()  # a line still being written waits for the next poll
-        for line in complete[self.seen:]:
+        for line in complete[self.seen :]:
             record = json.loads(line)
             if "eval_loss" in record:
-                point = {"step": record["step"], "kl": record["eval_loss"], "eval_tokens": record["eval_tokens"],
-                         "train_loss": record.get("loss"), "elapsed_s": round(time.perf_counter() - self.started_at, 1)}
+                point = {
+                    "step": record["step"],
+                    "kl": record["eval_loss"],
+                    "eval_tokens": record["eval_tokens"],
+                    "train_loss": record.get("loss"),
+                    "elapsed_s": round(time.perf_counter() - self.started_at, 1),
+                }
                 self.points.append(point)
                 print(json.dumps(point), flush=True)
         self.seen = len(complete)
@@ -107,31 +114,58 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     train_rows = rows[: args.steps * args.batch_size]  # one epoch: every prompt is sampled once
-    held_rows = rows[-args.eval_prompts:]
+    held_rows = rows[-args.eval_prompts :]
 
     student = args.out / "student"
     log(f"deriving the student: {args.student_layers} evenly spaced layers of {args.teacher} -> {student}")
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
-        code = posttrain_cli(["convert", "--model", args.teacher, "--out", str(student), "--num-layers",
-                              str(args.student_layers), "--force"])
+        code = posttrain_cli(
+            [
+                "convert",
+                "--model",
+                args.teacher,
+                "--out",
+                str(student),
+                "--num-layers",
+                str(args.student_layers),
+                "--force",
+            ]
+        )
     if code != 0:
         raise SystemExit("convert failed")
     log(f"teacher greedy completions for {len(held_rows)} held-out prompts")
     completions = teacher_completions(args.teacher, [r["question"] for r in held_rows], args.max_new_tokens)
-    train_file = write_jsonl(args.out / "train.jsonl", [{"prompt": r["question"], "completion": r["answer"]}
-                                                         for r in train_rows])  # on-policy: only the prompts are used
-    eval_file = write_jsonl(args.out / "held_out.jsonl", [{"prompt": r["question"], "completion": c}
-                                                          for r, c in zip(held_rows, completions)])
+    train_file = write_jsonl(
+        args.out / "train.jsonl", [{"prompt": r["question"], "completion": r["answer"]} for r in train_rows]
+    )  # on-policy: only the prompts are used
+    eval_file = write_jsonl(
+        args.out / "held_out.jsonl",
+        [{"prompt": r["question"], "completion": c} for r, c in zip(held_rows, completions)],
+    )
 
     run_dir = args.out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = load_config(DistillConfig, overrides=[
-        f"model.name_or_path={student}", f"teacher.name_or_path={args.teacher}", f"data.path={train_file}",
-        f"data.eval_path={eval_file}", "data.as_chat=true", "data.max_length=512", "mode=on_policy",
-        f"loss={args.loss}", f"max_new_tokens={args.max_new_tokens}", f"train.max_steps={args.steps}",
-        f"train.batch_size={args.batch_size}", f"train.eval_every={args.eval_every}", f"optim.lr={args.lr}",
-        "optim.schedule=constant", "optim.warmup_steps=2", f"out={run_dir}",
-    ])
+    cfg = load_config(
+        DistillConfig,
+        overrides=[
+            f"model.name_or_path={student}",
+            f"teacher.name_or_path={args.teacher}",
+            f"data.path={train_file}",
+            f"data.eval_path={eval_file}",
+            "data.as_chat=true",
+            "data.max_length=512",
+            "mode=on_policy",
+            f"loss={args.loss}",
+            f"max_new_tokens={args.max_new_tokens}",
+            f"train.max_steps={args.steps}",
+            f"train.batch_size={args.batch_size}",
+            f"train.eval_every={args.eval_every}",
+            f"optim.lr={args.lr}",
+            "optim.schedule=constant",
+            "optim.warmup_steps=2",
+            f"out={run_dir}",
+        ],
+    )
     follower = EvalFollower(run_dir / "metrics.jsonl", start)
     follower.start()
     try:
@@ -143,14 +177,29 @@ def main() -> None:
 
     config = json.loads((student / "config.json").read_text())
     curve = [[p["step"], p["kl"]] for p in follower.points]
-    print(json.dumps({
-        "benchmark": "distill_curve", "teacher": args.teacher, "student_layers": config["num_hidden_layers"],
-        "mode": "on_policy", "loss": args.loss, "steps": args.steps, "batch_size": args.batch_size,
-        "max_new_tokens": args.max_new_tokens, "eval_prompts": len(held_rows), "lr": args.lr, "curve": curve,
-        "kl_before": curve[0][1] if curve else None, "kl_after": curve[-1][1] if curve else None,
-        "ratio_after_before": round(curve[-1][1] / curve[0][1], 4) if curve and curve[0][1] else None,
-        "seconds": round(time.perf_counter() - start, 1), "run_dir": str(run_dir),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "distill_curve",
+                "teacher": args.teacher,
+                "student_layers": config["num_hidden_layers"],
+                "mode": "on_policy",
+                "loss": args.loss,
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+                "max_new_tokens": args.max_new_tokens,
+                "eval_prompts": len(held_rows),
+                "lr": args.lr,
+                "curve": curve,
+                "kl_before": curve[0][1] if curve else None,
+                "kl_after": curve[-1][1] if curve else None,
+                "ratio_after_before": round(curve[-1][1] / curve[0][1], 4) if curve and curve[0][1] else None,
+                "seconds": round(time.perf_counter() - start, 1),
+                "run_dir": str(run_dir),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dpo-rows", type=int, default=64, help="hh-rlhf pairs read (a small slice)")
     parser.add_argument("--grpo-steps", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=0.15)
-    parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS),
-                        help="measure under these allocator settings (see above)")
+    parser.add_argument(
+        "--allocators",
+        nargs="+",
+        choices=ALLOCATORS,
+        default=list(ALLOCATORS),
+        help="measure under these allocator settings (see above)",
+    )
     return parser.parse_args()
 
 
@@ -88,8 +93,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def sft_overrides(args: argparse.Namespace, out: Path, lora: bool) -> list[str]:
-    overrides = [str(ROOT / "examples" / "sft_gsm8k.yaml"), f"data.path={GSM8K}", f"data.max_rows={args.sft_rows}",
-                 "data.eval_fraction=0", f"train.max_steps={args.sft_steps}", "train.progress=false", f"out={out}"]
+    overrides = [
+        str(ROOT / "examples" / "sft_gsm8k.yaml"),
+        f"data.path={GSM8K}",
+        f"data.max_rows={args.sft_rows}",
+        "data.eval_fraction=0",
+        f"train.max_steps={args.sft_steps}",
+        "train.progress=false",
+        f"out={out}",
+    ]
     return overrides + (["lora.r=16"] if lora else [])
 
 
@@ -117,8 +129,14 @@ def sft_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, i
             batch = next(stream)
             for group in length_groups([len(u) for u in batch], cost):
                 rows = [batch[i] for i in group]
-                micro.append({"rows": len(rows), "width": max(len(u) for u in rows),
-                              "targets": sum(u.num_targets for u in rows), "tokens": sum(len(u) for u in rows)})
+                micro.append(
+                    {
+                        "rows": len(rows),
+                        "width": max(len(u) for u in rows),
+                        "targets": sum(u.num_targets for u in rows),
+                        "tokens": sum(len(u) for u in rows),
+                    }
+                )
         out.append(micro)
     return out
 
@@ -132,8 +150,14 @@ def sft_estimate(arch: Any, steps: list[list[dict[str, int]]], lora: bool, overh
     for micro in steps:
         for index, mb in enumerate(micro):
             prompt = mb["width"] - math.ceil(mb["targets"] / mb["rows"])
-            setup = TrainingSetup(method="lora" if lora else "full", batch=mb["rows"], seq_len=mb["width"],
-                                  prompt_len=prompt, grad_accum=1 if index == 0 else 2, overhead_bytes=overhead)
+            setup = TrainingSetup(
+                method="lora" if lora else "full",
+                batch=mb["rows"],
+                seq_len=mb["width"],
+                prompt_len=prompt,
+                grad_accum=1 if index == 0 else 2,
+                overhead_bytes=overhead,
+            )
             est = estimate_memory(arch, setup)
             if est.total_bytes > best.get("total_bytes", -1):
                 best = {**est.as_dict(), "shape": {**mb, "prompt_len": prompt, "index_in_step": index}, "setup": setup}
@@ -148,8 +172,9 @@ def run_sft(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
     for allocator in args.allocators:
         out = tmp / f"{name}-{allocator}"
         overrides = sft_overrides(args, out, lora) + [f"model.cpu_memory={allocator}"]
-        measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "sft", *overrides],
-                                          tmp / f"{out.name}.log")
+        measured[allocator], _ = peak_rss(
+            [sys.executable, "-m", "posttrain", "sft", *overrides], tmp / f"{out.name}.log"
+        )
         metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "time/step_s" in r]
         logged[allocator] = [int(r["tokens"]) for r in metrics]
         step_time[allocator] = round(metrics[-1]["time/step_s"], 2)
@@ -157,21 +182,47 @@ def run_sft(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
     replayed = [sum(mb["tokens"] for mb in micro) for micro in steps]
     est = sft_estimate(arch, steps, lora, overheads[args.allocators[-1]])
     # Time: every micro-batch of the last step (the first steps include warm-up), at the CPU default.
-    setups = [dataclasses.replace(est["setup"], batch=mb["rows"], seq_len=mb["width"], grad_accum=1,
-                                  prompt_len=mb["width"] - math.ceil(mb["targets"] / mb["rows"])) for mb in steps[-1]]
+    setups = [
+        dataclasses.replace(
+            est["setup"],
+            batch=mb["rows"],
+            seq_len=mb["width"],
+            grad_accum=1,
+            prompt_len=mb["width"] - math.ceil(mb["targets"] / mb["rows"]),
+        )
+        for mb in steps[-1]
+    ]
     seconds = sum(estimate_time(arch, s, 0, 0.06, 20.0).step_seconds for s in setups)
-    return _case(name, est, measured, overheads, args.tolerance,
-                 {"replay_matches_logged_tokens": all(replayed == t for t in logged.values()), "tokens_per_step": replayed,
-                  "step_seconds_estimate": round(seconds, 2), "step_seconds_measured": step_time})
+    return _case(
+        name,
+        est,
+        measured,
+        overheads,
+        args.tolerance,
+        {
+            "replay_matches_logged_tokens": all(replayed == t for t in logged.values()),
+            "tokens_per_step": replayed,
+            "step_seconds_estimate": round(seconds, 2),
+            "step_seconds_measured": step_time,
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- DPO
 
 
 def dpo_overrides(args: argparse.Namespace, out: Path, allocator: str) -> list[str]:
-    return [str(ROOT / "examples" / "dpo_hh.yaml"), f"data.path={HH}", f"data.max_rows={args.dpo_rows}",
-            "data.eval_fraction=0", "train.eval_every=0", f"train.max_steps={args.dpo_steps}", "train.progress=false",
-            f"out={out}", f"model.cpu_memory={allocator}"]
+    return [
+        str(ROOT / "examples" / "dpo_hh.yaml"),
+        f"data.path={HH}",
+        f"data.max_rows={args.dpo_rows}",
+        "data.eval_fraction=0",
+        "train.eval_every=0",
+        f"train.max_steps={args.dpo_steps}",
+        "train.progress=false",
+        f"out={out}",
+        f"model.cpu_memory={allocator}",
+    ]
 
 
 def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, int]]]:
@@ -192,8 +243,14 @@ def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, i
         micro = []
         for _ in range(cfg.train.grad_accum):
             rows = [row for i in next(stream) for row in (pairs[i].chosen, pairs[i].rejected)]
-            micro.append({"pairs": len(rows) // 2, "width": max(len(r) for r in rows),
-                          "targets": sum(r.num_targets for r in rows), "tokens": sum(len(r) for r in rows)})
+            micro.append(
+                {
+                    "pairs": len(rows) // 2,
+                    "width": max(len(r) for r in rows),
+                    "targets": sum(r.num_targets for r in rows),
+                    "tokens": sum(len(r) for r in rows),
+                }
+            )
         out.append(micro)
     return out
 
@@ -206,15 +263,23 @@ def run_dpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
     for allocator in args.allocators:
         out = tmp / f"dpo-{allocator}"
         overrides = dpo_overrides(args, out, allocator)
-        measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "dpo", *overrides], tmp / f"{out.name}.log")
+        measured[allocator], _ = peak_rss(
+            [sys.executable, "-m", "posttrain", "dpo", *overrides], tmp / f"{out.name}.log"
+        )
         metrics = [r for r in read_jsonl(out / "metrics.jsonl") if "time/step_s" in r]
         step_time[allocator] = round(metrics[-1]["time/step_s"], 2)
     best: dict[str, Any] = {}
     for micro in dpo_micro_batches(overrides, args.dpo_steps):
         for index, mb in enumerate(micro):
             prompt = mb["width"] - math.ceil(mb["targets"] / (2 * mb["pairs"]))  # N = 2B (L - P) targets
-            setup = TrainingSetup(trainer="dpo", batch=mb["pairs"], seq_len=mb["width"], prompt_len=prompt,
-                                  grad_accum=1 if index == 0 else 2, overhead_bytes=overheads[args.allocators[-1]])
+            setup = TrainingSetup(
+                trainer="dpo",
+                batch=mb["pairs"],
+                seq_len=mb["width"],
+                prompt_len=prompt,
+                grad_accum=1 if index == 0 else 2,
+                overhead_bytes=overheads[args.allocators[-1]],
+            )
             est = estimate_memory(arch, setup)
             if est.total_bytes > best.get("total_bytes", -1):
                 best = {**est.as_dict(), "shape": {**mb, "prompt_len": prompt, "index_in_step": index}}
@@ -231,13 +296,20 @@ def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp
     measured, records_by = {}, {}
     for allocator in args.allocators:
         out = tmp / f"grpo-{allocator}"
-        overrides = [f"train.max_steps={args.grpo_steps}", "data.eval_size=0", "log.progress=false",
-                     "save_final=false", f"out={out}", f"model.cpu_memory={allocator}",
-                     # Every group through the update, as in a step where each has a reward spread: the peak a
-                     # run can reach (the skip only lowers it), and the shapes the logged token rate gives.
-                     "train.skip_zero_advantage=false"]
-        measured[allocator], _ = peak_rss([sys.executable, "-m", "posttrain", "grpo", *overrides],
-                                          tmp / f"{out.name}.log")
+        overrides = [
+            f"train.max_steps={args.grpo_steps}",
+            "data.eval_size=0",
+            "log.progress=false",
+            "save_final=false",
+            f"out={out}",
+            f"model.cpu_memory={allocator}",
+            # Every group through the update, as in a step where each has a reward spread: the peak a
+            # run can reach (the skip only lowers it), and the shapes the logged token rate gives.
+            "train.skip_zero_advantage=false",
+        ]
+        measured[allocator], _ = peak_rss(
+            [sys.executable, "-m", "posttrain", "grpo", *overrides], tmp / f"{out.name}.log"
+        )
         records_by[allocator] = [r for r in read_jsonl(out / "metrics.jsonl") if "num_samples" in r]
     cfg = GRPOConfig()
     group = cfg.rollout.samples_per_prompt
@@ -255,26 +327,48 @@ def run_grpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp
         trained = round(record["tokens/train_per_s"] * record["time/update_s"])  # real tokens through the model
         rows = math.ceil(samples / group)
         prompt = round(trained / rows - group * (completion - 1))
-        setup = TrainingSetup(trainer="grpo", batch=samples, group_size=group, seq_len=prompt + completion,
-                              prompt_len=prompt, kv_tokens=kv_tokens, overhead_bytes=overhead)
+        setup = TrainingSetup(
+            trainer="grpo",
+            batch=samples,
+            group_size=group,
+            seq_len=prompt + completion,
+            prompt_len=prompt,
+            kv_tokens=kv_tokens,
+            overhead_bytes=overhead,
+        )
         est = estimate_memory(arch, setup)
         if est.total_bytes > best.get("total_bytes", -1):
             seconds = estimate_time(arch, setup, est.weights_bytes, 0.06, 20.0)
-            best = {**est.as_dict(), "setup": setup,
-                    "shape": {"samples": samples, "completion_len": completion, "prompt_len": prompt,
-                              "trained_tokens": trained, "kv_tokens": kv_tokens},
-                    "time": {"update_seconds_estimate": round(seconds.train_seconds, 2),
-                             "update_seconds_measured": round(record["time/update_s"], 2),
-                             "last_update_seconds": {a: round(records_by[a][-1]["time/update_s"], 2)
-                                                     for a in args.allocators}}}
+            best = {
+                **est.as_dict(),
+                "setup": setup,
+                "shape": {
+                    "samples": samples,
+                    "completion_len": completion,
+                    "prompt_len": prompt,
+                    "trained_tokens": trained,
+                    "kv_tokens": kv_tokens,
+                },
+                "time": {
+                    "update_seconds_estimate": round(seconds.train_seconds, 2),
+                    "update_seconds_measured": round(record["time/update_s"], 2),
+                    "last_update_seconds": {a: round(records_by[a][-1]["time/update_s"], 2) for a in args.allocators},
+                },
+            }
     return _case("grpo", best, measured, overheads, args.tolerance, best.pop("time"))
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def _case(name: str, est: dict[str, Any], measured: dict[str, int], overheads: dict[str, int], tolerance: float,
-          extra: dict[str, Any]) -> dict[str, Any]:
+def _case(
+    name: str,
+    est: dict[str, Any],
+    measured: dict[str, int],
+    overheads: dict[str, int],
+    tolerance: float,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """Estimate vs measured per allocator setting; the estimate's overhead term is each setting's own."""
     est = dict(est)
     est.pop("setup", None)
@@ -283,13 +377,33 @@ def _case(name: str, est: dict[str, Any], measured: dict[str, int], overheads: d
     for allocator, rss in measured.items():
         estimate = base + overheads[allocator]
         ratio = estimate / rss
-        per_allocator[allocator] = {"estimate_mib": round(estimate / 2**20), "measured_mib": round(rss / 2**20),
-                                    "estimate_bytes": estimate, "measured_peak_rss_bytes": rss,
-                                    "ratio": round(ratio, 3), "within_tolerance": abs(ratio - 1) <= tolerance}
-    keep = ("weights", "grads", "optimizer", "activations", "activations_checkpointed", "logits", "kv_cache",
-            "reference", "runtime_overhead")
-    return {"case": name, **per_allocator, "components_mib": {k: round(est[f"{k}_bytes"] / 2**20, 1) for k in keep},
-            "peak_rule": est["peak_rule"], "shape": est["shape"], **extra}
+        per_allocator[allocator] = {
+            "estimate_mib": round(estimate / 2**20),
+            "measured_mib": round(rss / 2**20),
+            "estimate_bytes": estimate,
+            "measured_peak_rss_bytes": rss,
+            "ratio": round(ratio, 3),
+            "within_tolerance": abs(ratio - 1) <= tolerance,
+        }
+    keep = (
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "activations_checkpointed",
+        "logits",
+        "kv_cache",
+        "reference",
+        "runtime_overhead",
+    )
+    return {
+        "case": name,
+        **per_allocator,
+        "components_mib": {k: round(est[f"{k}_bytes"] / 2**20, 1) for k in keep},
+        "peak_rule": est["peak_rule"],
+        "shape": est["shape"],
+        **extra,
+    }
 
 
 def main() -> int:
@@ -311,11 +425,15 @@ def main() -> int:
             else:
                 results.append(run_sft(args, arch, overheads, tmp, lora=case == "sft-lora"))
             print(json.dumps(results[-1]), file=sys.stderr)
-    summary = {"benchmark": "estimate", "model": args.model, "tolerance": args.tolerance,
-               "runtime_overhead_mib": {a: round(v / 2**20) for a, v in overheads.items()},
-               "threads": os.environ.get("OMP_NUM_THREADS"),
-               "within_tolerance": {a: all(r[a]["within_tolerance"] for r in results) for a in args.allocators},
-               "cases": results}
+    summary = {
+        "benchmark": "estimate",
+        "model": args.model,
+        "tolerance": args.tolerance,
+        "runtime_overhead_mib": {a: round(v / 2**20) for a, v in overheads.items()},
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "within_tolerance": {a: all(r[a]["within_tolerance"] for r in results) for a in args.allocators},
+        "cases": results,
+    }
     print(json.dumps(summary))
     return 0
 

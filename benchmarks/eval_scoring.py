@@ -65,7 +65,7 @@ def dense_ppl_sums(model, rows, batch_size: int) -> list[float]:  # noqa: ANN001
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     sums = [0.0] * len(rows)
     for start in range(0, len(order), batch_size):
-        index = order[start:start + batch_size]
+        index = order[start : start + batch_size]
         lengths = torch.tensor([len(rows[i]) for i in index])
         ids = torch.zeros(len(index), int(lengths.max()), dtype=torch.long)  # (B, T)
         for b, i in enumerate(index):
@@ -74,9 +74,14 @@ def dense_ppl_sums(model, rows, batch_size: int) -> list[float]:  # noqa: ANN001
         scored = torch.arange(ids.shape[1] - 1)[None, :] < (lengths[:, None] - 1)  # (B, T-1)
         h, targets = hidden[:, :-1][scored], ids[:, 1:][scored]  # (n, d), (n,)
         owner = scored.nonzero()[:, 0]  # (n,) batch row of each scored position
-        per_token = torch.cat([-F.cross_entropy(model.logits(h[c:c + DENSE_LOGIT_CHUNK]),
-                                                targets[c:c + DENSE_LOGIT_CHUNK], reduction="none")
-                               for c in range(0, h.shape[0], DENSE_LOGIT_CHUNK)])  # (n,)
+        per_token = torch.cat(
+            [
+                -F.cross_entropy(
+                    model.logits(h[c : c + DENSE_LOGIT_CHUNK]), targets[c : c + DENSE_LOGIT_CHUNK], reduction="none"
+                )
+                for c in range(0, h.shape[0], DENSE_LOGIT_CHUNK)
+            ]
+        )  # (n,)
         for b, i in enumerate(index):
             sums[i] = float(per_token[owner == b].double().sum())
     return sums
@@ -129,22 +134,31 @@ def main() -> None:
         workload, path, count, batch_size = args.child
         print(json.dumps(run_one(workload, path, int(count), int(batch_size))))
         return
-    report: dict = {"model": "smollm2-135m", "dtype": "float32", "batch_size": args.batch_size,
-                    "threads": int(os.environ.get("OMP_NUM_THREADS", "2"))}
+    report: dict = {
+        "model": "smollm2-135m",
+        "dtype": "float32",
+        "batch_size": args.batch_size,
+        "threads": int(os.environ.get("OMP_NUM_THREADS", "2")),
+    }
     for workload, count in (("ppl", args.rows), ("dpo", args.pairs)):
         runs: dict[str, list[dict]] = {"dense": [], "engine": []}
         for round_ in range(args.rounds):
             for path, results in runs.items():
                 results.append(spawn(workload, path, count, args.batch_size))
-                log(f"{workload} round {round_} {path}: {results[-1]['seconds']:.1f} s, {results[-1]['peak_rss_mb']} MB")
+                log(
+                    f"{workload} round {round_} {path}: {results[-1]['seconds']:.1f} s, {results[-1]['peak_rss_mb']} MB"
+                )
         seconds = {path: min(r["seconds"] for r in results) for path, results in runs.items()}
         peak = {path: max(r["peak_rss_mb"] for r in results) for path, results in runs.items()}
         dense, engine = runs["dense"][0], runs["engine"][0]
         report[workload] = {
-            "rows": dense["rows"], "tokens": dense["tokens"],
-            "dense_s": round(seconds["dense"], 2), "engine_s": round(seconds["engine"], 2),
+            "rows": dense["rows"],
+            "tokens": dense["tokens"],
+            "dense_s": round(seconds["dense"], 2),
+            "engine_s": round(seconds["engine"], 2),
             "engine_over_dense_time": round(seconds["engine"] / seconds["dense"], 3),
-            "dense_peak_rss_mb": peak["dense"], "engine_peak_rss_mb": peak["engine"],
+            "dense_peak_rss_mb": peak["dense"],
+            "engine_peak_rss_mb": peak["engine"],
             "max_abs_diff": max(abs(a - b) for a, b in zip(dense["sums"], engine["sums"])),
         }
     print(json.dumps(report))

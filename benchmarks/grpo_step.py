@@ -50,13 +50,30 @@ def setup_posttrain(out: Path, skip_zero_advantage: bool = True):
     from posttrain.trainers.rl import setup_run
     from posttrain.trainers.rl.config import GRPOConfig
 
-    cfg = load_config(GRPOConfig, None, [
-        "algorithm=grpo", f"rollout.prompts_per_step={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}",
-        f"rollout.max_tokens={MAX_TOKENS}", "rollout.temperature=1.0", "kl.beta=0.0", "train.epochs=1",
-        f"optim.lr={LR}", "optim.max_grad_norm=1.0", "optim.betas=[0.9, 0.999]", "data.task=arithmetic",
-        f"data.seed={SEED}", "data.eval_size=0", f"train.seed={SEED}", "log.progress=false", f"out={out}",
-        "save_final=false", f"train.skip_zero_advantage={str(skip_zero_advantage).lower()}",
-    ])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            "algorithm=grpo",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.samples_per_prompt={SAMPLES}",
+            f"rollout.max_tokens={MAX_TOKENS}",
+            "rollout.temperature=1.0",
+            "kl.beta=0.0",
+            "train.epochs=1",
+            f"optim.lr={LR}",
+            "optim.max_grad_norm=1.0",
+            "optim.betas=[0.9, 0.999]",
+            "data.task=arithmetic",
+            f"data.seed={SEED}",
+            "data.eval_size=0",
+            f"train.seed={SEED}",
+            "log.progress=false",
+            f"out={out}",
+            "save_final=false",
+            f"train.skip_zero_advantage={str(skip_zero_advantage).lower()}",
+        ],
+    )
     return setup_run(cfg, "grpo")  # its ArithmeticTask(seed=0) draws the same prompts as prompt_batches()
 
 
@@ -68,9 +85,12 @@ def posttrain_step(run, times: list[float], cpu_times: list[float], label: str =
     times.append(time.perf_counter() - start)
     cpu_times.append(time.process_time() - cpu)
     split = {k[5:-2]: round(v, 1) for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s"}
-    print(f"{label} step {len(times)}: {times[-1]:.1f}s (cpu {cpu_times[-1]:.1f}s) {split} "
-          f"reward={metrics['reward/mean']:.3f} skipped_groups={metrics.get('update/skipped_group_frac', 0):.2f} "
-          f"load={load_average()}", flush=True)
+    print(
+        f"{label} step {len(times)}: {times[-1]:.1f}s (cpu {cpu_times[-1]:.1f}s) {split} "
+        f"reward={metrics['reward/mean']:.3f} skipped_groups={metrics.get('update/skipped_group_frac', 0):.2f} "
+        f"load={load_average()}",
+        flush=True,
+    )
 
 
 def run_trl(steps: int, out: Path, between_steps=None) -> tuple[list[float], list[float]]:  # noqa: ANN001
@@ -101,21 +121,47 @@ def run_trl(steps: int, out: Path, between_steps=None) -> tuple[list[float], lis
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
             self.times.append(time.perf_counter() - self.start)
             self.cpu_times.append(time.process_time() - self.cpu_start)
-            print(f"trl step {len(self.times)}: {self.times[-1]:.1f}s (cpu {self.cpu_times[-1]:.1f}s) "
-                  f"load={load_average()}", flush=True)
+            print(
+                f"trl step {len(self.times)}: {self.times[-1]:.1f}s (cpu {self.cpu_times[-1]:.1f}s) "
+                f"load={load_average()}",
+                flush=True,
+            )
             if between_steps is not None:
                 between_steps()
 
     args = TRLConfig(
-        output_dir=str(out), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
-        num_generations=SAMPLES, max_completion_length=MAX_TOKENS, temperature=1.0, beta=0.0,
-        num_iterations=1, learning_rate=LR, loss_type="grpo", max_steps=steps, shuffle_dataset=False,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        seed=SEED, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+        output_dir=str(out),
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        gradient_accumulation_steps=1,
+        num_generations=SAMPLES,
+        max_completion_length=MAX_TOKENS,
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=LR,
+        loss_type="grpo",
+        max_steps=steps,
+        shuffle_dataset=False,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=SEED,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
     )
     timer = StepTimes()
-    trainer = GRPOTrainer(model=model, reward_funcs=numeric_match, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=numeric_match,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     trainer.train()
     return timer.times, timer.cpu_times
 
@@ -137,8 +183,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         if args.only != "trl":
-            runs = {label: setup_posttrain(Path(tmp) / label, skip_zero_advantage=label == "posttrain")
-                    for label in ours}
+            runs = {
+                label: setup_posttrain(Path(tmp) / label, skip_zero_advantage=label == "posttrain") for label in ours
+            }
 
         def posttrain_steps() -> None:
             for label, run in runs.items():

@@ -36,8 +36,16 @@ def main() -> None:
     subprocess.run([sys.executable, "-c", OURS], check=True)  # make sure the conversion is cached
     ours = statistics.median(wall_time(OURS) for _ in range(args.repeats))
     theirs = statistics.median(wall_time(THEIRS) for _ in range(args.repeats))
-    print(json.dumps({"posttrain_load_s": round(ours, 3), "transformers_load_s": round(theirs, 3),
-                      "ratio": round(theirs / ours, 2), "repeats": args.repeats}))
+    print(
+        json.dumps(
+            {
+                "posttrain_load_s": round(ours, 3),
+                "transformers_load_s": round(theirs, 3),
+                "ratio": round(theirs / ours, 2),
+                "repeats": args.repeats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

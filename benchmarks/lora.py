@@ -69,10 +69,12 @@ def release_free_memory() -> None:
         pass
 
 
-def adapter_values(hf_module_name: str, r: int, in_features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+def adapter_values(
+    hf_module_name: str, r: int, in_features: int, out_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (A, B) for a module on both sides, from a generator seeded by its HF name."""
     gen = torch.Generator().manual_seed(zlib.crc32(hf_module_name.encode()))
-    A = (torch.rand(r, in_features, generator=gen) * 2 - 1) / in_features ** 0.5
+    A = (torch.rand(r, in_features, generator=gen) * 2 - 1) / in_features**0.5
     B = torch.randn(out_features, r, generator=gen) * 0.01
     return A, B
 
@@ -97,8 +99,9 @@ def build_peft(model_path: Path, r: int, alpha: float):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
-    model = peft.get_peft_model(hf, peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
-                                                    target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(
+        hf, peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, peft.tuners.lora.LoraLayer):
@@ -145,13 +148,18 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps({"step_s": elapsed, "loss": loss}), flush=True)
     grads = [p.grad.norm() for p in trainable if p.grad is not None]
     grad_norm = torch.linalg.vector_norm(torch.stack(grads)).item() if grads else float("nan")
-    print(json.dumps({
-        "step_peak_rss_mib": round((peak.peak - rss_before) / 2**20, 1),
-        "process_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "rss_before_steps_mib": round(rss_before / 2**20, 1),
-        "trainable_parameters": sum(p.numel() for p in trainable),
-        "adapter_grad_norm": grad_norm,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "step_peak_rss_mib": round((peak.peak - rss_before) / 2**20, 1),
+                "process_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "rss_before_steps_mib": round(rss_before / 2**20, 1),
+                "trainable_parameters": sum(p.numel() for p in trainable),
+                "adapter_grad_norm": grad_norm,
+            }
+        ),
+        flush=True,
+    )
 
 
 class Side:
@@ -159,8 +167,22 @@ class Side:
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         self.name, self.times, self.losses = name, [], []
-        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--batch", str(args.batch),
-               "--seq-len", str(args.seq_len), "--r", str(args.r), "--threads", str(args.threads)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--seq-len",
+            str(args.seq_len),
+            "--r",
+            str(args.r),
+            "--threads",
+            str(args.threads),
+        ]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -185,8 +207,12 @@ class Side:
         self.send("finish")
         summary = json.loads(self.read())
         self.proc.wait()
-        return {"step_s": round(statistics.median(self.times), 3), "step_s_all": [round(t, 3) for t in self.times],
-                "loss": self.losses[-1], **summary}
+        return {
+            "step_s": round(statistics.median(self.times), 3),
+            "step_s_all": [round(t, 3) for t in self.times],
+            "loss": self.losses[-1],
+            **summary,
+        }
 
 
 def main() -> None:
@@ -214,13 +240,27 @@ def main() -> None:
     loss_diff = abs(ours["loss"] - theirs["loss"])
     grad_diff = abs(ours["adapter_grad_norm"] - theirs["adapter_grad_norm"]) / theirs["adapter_grad_norm"]
     result = {
-        "benchmark": "lora_train_step", "model": args.model, "batch": args.batch, "seq_len": args.seq_len,
-        "r": args.r, "alpha": 2 * args.r, "targets": "all-linear", "dtype": "float32", "threads": args.threads,
-        "torch": torch.__version__, "peft": _version("peft"), "transformers": _version("transformers"),
-        "ours": ours, "peft_anchor": theirs, "loss_abs_diff": loss_diff, "grad_norm_rel_diff": grad_diff,
+        "benchmark": "lora_train_step",
+        "model": args.model,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "r": args.r,
+        "alpha": 2 * args.r,
+        "targets": "all-linear",
+        "dtype": "float32",
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "peft": _version("peft"),
+        "transformers": _version("transformers"),
+        "ours": ours,
+        "peft_anchor": theirs,
+        "loss_abs_diff": loss_diff,
+        "grad_norm_rel_diff": grad_diff,
         "ratio_step_time_ours_over_peft": round(ours["step_s"] / theirs["step_s"], 3),
         "ratio_step_peak_rss_ours_over_peft": round(ours["step_peak_rss_mib"] / theirs["step_peak_rss_mib"], 3),
-        "ratio_process_peak_rss_ours_over_peft": round(ours["process_peak_rss_mib"] / theirs["process_peak_rss_mib"], 3),
+        "ratio_process_peak_rss_ours_over_peft": round(
+            ours["process_peak_rss_mib"] / theirs["process_peak_rss_mib"], 3
+        ),
     }
     print(json.dumps(result))
     if loss_diff > 1e-4 * max(1.0, abs(theirs["loss"])) or grad_diff > 1e-3:

@@ -101,18 +101,29 @@ def main() -> None:
     shared_tokens = args.prompt_tokens // BS * BS
     kv_tokens = args.prompts * shared_tokens + sum(ctx) - S * shared_tokens  # shared blocks once, own tokens each
     kv_bytes = kv_tokens * HKV * D * 4 * 2
-    print(json.dumps({
-        "benchmark": "paged_attention",
-        "shape": {"sequences": S, "groups": args.prompts, "prompt_tokens": args.prompt_tokens,
-                  "own_tokens": args.own_tokens, "heads": H, "kv_heads": HKV, "head_dim": D},
-        "threads": torch.get_num_threads(),
-        "kv_mb_read": round(kv_bytes / 1e6, 1),
-        "native_ms": round(native * 1e3, 2),
-        "pytorch_path_ms": round(pytorch * 1e3, 2),
-        "transformers_layout_sdpa_ms": round(transformers_layout * 1e3, 2),
-        "native_vs_pytorch_path": round(pytorch / native, 2),
-        "native_vs_transformers_layout": round(transformers_layout / native, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "paged_attention",
+                "shape": {
+                    "sequences": S,
+                    "groups": args.prompts,
+                    "prompt_tokens": args.prompt_tokens,
+                    "own_tokens": args.own_tokens,
+                    "heads": H,
+                    "kv_heads": HKV,
+                    "head_dim": D,
+                },
+                "threads": torch.get_num_threads(),
+                "kv_mb_read": round(kv_bytes / 1e6, 1),
+                "native_ms": round(native * 1e3, 2),
+                "pytorch_path_ms": round(pytorch * 1e3, 2),
+                "transformers_layout_sdpa_ms": round(transformers_layout * 1e3, 2),
+                "native_vs_pytorch_path": round(pytorch / native, 2),
+                "native_vs_transformers_layout": round(transformers_layout / native, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

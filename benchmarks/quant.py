@@ -60,8 +60,10 @@ def load_prompts(tokenizer, count: int) -> list[list[int]]:
             questions.append(json.loads(line)["question"])
             if len(questions) == count:
                 break
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            for q in questions]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
 
 
 class EngineRunner:
@@ -167,7 +169,8 @@ def main() -> None:
                 "bytes_ratio_vs_fp32": round(tensor_bytes(m) / fp32_bytes, 3),
                 "greedy_match": round(greedy_match(tokens[name], tokens["fp32"]), 3),
             }
-            for name, m in variants.items() if name != "fp32"
+            for name, m in variants.items()
+            if name != "fp32"
         },
     }
     print(json.dumps(result))

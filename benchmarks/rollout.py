@@ -56,8 +56,10 @@ def load_prompts(path: Path, count: int, tokenizer) -> list[list[int]]:
             questions.append(json.loads(line)["question"])
             if len(questions) == count:
                 break
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            for q in questions]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
 
 
 def run_posttrain(model, tokenizer, prompts, n: int, max_tokens: int, params_count: int) -> dict:
@@ -93,11 +95,22 @@ def run_transformers(model_dir: Path, prompts, n: int, max_tokens: int, pad_id: 
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
-                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_id)
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=n,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        pad_token_id=pad_id,
+    )
     with torch.inference_mode():
-        model.generate(input_ids=input_ids[:1], attention_mask=attention_mask[:1], **{**kwargs, "max_new_tokens": 4,
-                                                                                      "min_new_tokens": 4})
+        model.generate(
+            input_ids=input_ids[:1],
+            attention_mask=attention_mask[:1],
+            **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4},
+        )
         start = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         seconds = time.perf_counter() - start
@@ -111,8 +124,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--hf-prompts", type=int, default=None,
-                        help="prompts for the transformers side (default: all; 0: skip it)")
+    parser.add_argument(
+        "--hf-prompts", type=int, default=None, help="prompts for the transformers side (default: all; 0: skip it)"
+    )
     parser.add_argument("--data", type=Path, default=GSM8K)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     args = parser.parse_args()
@@ -133,21 +147,29 @@ def main() -> None:
     result = {
         "benchmark": "rollout",
         "model": args.model,
-        "shape": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
-                  "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1)},
+        "shape": {
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
+        },
         "threads": torch.get_num_threads(),
         "matmul_gflops": round(gflops, 1),
         "posttrain": ours,
     }
     if args.hf_prompts:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        hf = run_transformers(resolve_model_path(args.model), prompts[: args.hf_prompts], args.n, args.max_tokens, pad_id)
+        hf = run_transformers(
+            resolve_model_path(args.model), prompts[: args.hf_prompts], args.n, args.max_tokens, pad_id
+        )
         hf["prompts"] = args.hf_prompts
         log(f"transformers: {hf}")
         result["transformers"] = hf
         result["speedup"] = round(ours["tokens_per_s"] / hf["tokens_per_s"], 2)
-        result["note"] = (f"transformers ran on the first {args.hf_prompts} of the {args.prompts} prompts (same n "
-                          "and length); compared in generated tokens/s")
+        result["note"] = (
+            f"transformers ran on the first {args.hf_prompts} of the {args.prompts} prompts (same n "
+            "and length); compared in generated tokens/s"
+        )
     print(json.dumps(result))
 
 

@@ -45,8 +45,16 @@ from posttrain.distributed.parallel import Parallel  # noqa: E402
 from posttrain.engine import LLM, SamplingParams  # noqa: E402
 from posttrain.models.hub import load_model  # noqa: E402
 
-TOPICS = ["a lighthouse", "the first snow of the year", "a lost key", "two rival chess clubs", "a robot learning to cook",
-          "the last train home", "an old map", "a garden on the moon"]
+TOPICS = [
+    "a lighthouse",
+    "the first snow of the year",
+    "a lost key",
+    "two rival chess clubs",
+    "a robot learning to cook",
+    "the last train home",
+    "an old map",
+    "a garden on the moon",
+]
 MB = 2**20
 
 
@@ -86,9 +94,13 @@ def rollout(llm: LLM, parallel: Parallel, mode: str, prompts: list[Any], params:
             hook.remove()
     forwards = llm.engine.num_steps - steps + lockstep.idle_forwards
     layers = len(model.layers)
-    return {"rollout_s": time.perf_counter() - start, "gathered_mb": peak[0] / MB, "forwards": forwards,
-            "all_gathers": 1 + (forwards * layers if lockstep.active else layers),
-            "tokens": [list(s.token_ids) for o in outputs for s in o.outputs]}
+    return {
+        "rollout_s": time.perf_counter() - start,
+        "gathered_mb": peak[0] / MB,
+        "forwards": forwards,
+        "all_gathers": 1 + (forwards * layers if lockstep.active else layers),
+        "tokens": [list(s.token_ids) for o in outputs for s in o.outputs],
+    }
 
 
 def main() -> None:
@@ -108,8 +120,7 @@ def main() -> None:
     topics = (TOPICS * args.prompts)[: args.prompts]
     mine = list(range(ctx.rank, args.prompts, ctx.world_size))
     prompts = [[{"role": "user", "content": f"Write a short story about {topics[i]}."}] for i in mine]
-    params = [SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_tokens, seed=1000 * i)
-              for i in mine]
+    params = [SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_tokens, seed=1000 * i) for i in mine]
     runs: dict[str, list[dict]] = {"whole": [], "per_layer": []}
     for _ in range(args.repeats):
         for mode in runs:
@@ -121,9 +132,15 @@ def main() -> None:
     same = all(r["tokens"] == runs["whole"][0]["tokens"] for done in runs.values() for r in done)
     ranks = all_gather_objects((figures, same))
     if ctx.rank == 0:
-        result = {"model": args.model, "ranks": ctx.world_size, "prompts": args.prompts, "samples": args.samples,
-                  "max_tokens": args.max_tokens, "shards_mb": round(shards_mb, 1),
-                  "same_samples": all(s for _, s in ranks)}
+        result = {
+            "model": args.model,
+            "ranks": ctx.world_size,
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "max_tokens": args.max_tokens,
+            "shards_mb": round(shards_mb, 1),
+            "same_samples": all(s for _, s in ranks),
+        }
         for mode in runs:
             result[mode] = {key: round(max(f[mode][key] for f, _ in ranks), 3) for key in figures[mode]}
         result["gathered_ratio"] = round(result["whole"]["gathered_mb"] / result["per_layer"]["gathered_mb"], 2)

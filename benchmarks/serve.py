@@ -35,8 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in one sentence.", "Name three prime numbers.",
-    "Why is the sky blue?", "Write a haiku about rain.", "What does a compiler do?", "How many legs has a spider?",
+    "What is the capital of France?",
+    "Explain photosynthesis in one sentence.",
+    "Name three prime numbers.",
+    "Why is the sky blue?",
+    "Write a haiku about rain.",
+    "What does a compiler do?",
+    "How many legs has a spider?",
     "Give me a synonym for happy.",
 ]
 
@@ -61,8 +66,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_client(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int) -> dict:
-    body = {"model": model, "messages": prompt(i), "max_tokens": max_tokens, "temperature": 0.7, "seed": i,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": prompt(i),
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first = None
     tokens = 0
@@ -73,7 +86,7 @@ async def one_client(client: httpx.AsyncClient, url: str, model: str, i: int, ma
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -125,9 +138,24 @@ async def load_test(url: str, model: str, clients: int, max_tokens: int, timeout
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "posttrain", "serve", "--model", args.model, "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks),
-               "--max-num-seqs", str(max(args.clients, 1))]
+    command = [
+        sys.executable,
+        "-m",
+        "posttrain",
+        "serve",
+        "--model",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-num-seqs",
+        str(max(args.clients, 1)),
+    ]
     log("starting: " + " ".join(command))
     server = subprocess.Popen(command, cwd=ROOT, stdout=sys.stderr)  # stdout carries only the JSON line
     deadline = time.monotonic() + args.timeout
@@ -147,11 +175,17 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
 def offline_tokens_per_s(args: argparse.Namespace) -> float:
     from posttrain.engine import LLM, SamplingParams
 
-    llm = LLM(args.model, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-              max_num_seqs=max(args.clients, 1))
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=max(args.clients, 1),
+    )
     prompts = [prompt(i) for i in range(args.clients)]
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
-              for i in range(args.clients)]
+    params = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
+        for i in range(args.clients)
+    ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall = time.perf_counter() - start

@@ -78,8 +78,13 @@ def main() -> int:
     raw = load_rows(Path(args.data), needed + 64)
     data_file = work / "rows.jsonl"
     data_file.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n" for r in raw))
-    data_cfg = DataConfig(path=str(data_file), columns={"prompt": "question", "completion": "answer"}, as_chat=True,
-                          max_length=args.max_length, max_bad_row_fraction=1.0)
+    data_cfg = DataConfig(
+        path=str(data_file),
+        columns={"prompt": "question", "completion": "answer"},
+        as_chat=True,
+        max_length=args.max_length,
+        max_bad_row_fraction=1.0,
+    )
     tokenized = build_sft_rows(data_cfg, tokenizer)
     bad_lines = {int(b.location.rsplit(":", 1)[1]) for b in tokenized.bad_rows}
     kept = [r for i, r in enumerate(raw, start=1) if i not in bad_lines][:needed]
@@ -100,27 +105,64 @@ def main() -> int:
     from trl import SFTTrainer
 
     transformers.logging.set_verbosity_error()
-    trl_dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": kept[i]["question"]}],
-         "completion": [{"role": "assistant", "content": kept[i]["answer"]}]} for i in order
-    ])
+    trl_dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": kept[i]["question"]}],
+                "completion": [{"role": "assistant", "content": kept[i]["answer"]}],
+            }
+            for i in order
+        ]
+    )
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     total_steps = args.steps + 1  # the first step of each side is a warm-up, not timed
     trl_args = TRLConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-        max_steps=total_steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, max_length=args.max_length, packing=False, completion_only_loss=True,
-        gradient_checkpointing=False, train_sampling_strategy="sequential", shuffle_dataset=False,
-        pad_to_multiple_of=None, bf16=False, fp16=False, use_cpu=True, save_strategy="no", report_to="none",
-        logging_steps=1, disable_tqdm=True, seed=args.seed, dataloader_pin_memory=False,
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=1,
+        max_steps=total_steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_length=args.max_length,
+        packing=False,
+        completion_only_loss=True,
+        gradient_checkpointing=False,
+        train_sampling_strategy="sequential",
+        shuffle_dataset=False,
+        pad_to_multiple_of=None,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=args.seed,
+        dataloader_pin_memory=False,
     )
-    ours_cfg = load_config(SFTConfig, overrides=[
-        f"model.name_or_path={model_dir}", f"data.path={data_file}", "data.columns={prompt: question, completion: answer}",
-        "data.as_chat=true", f"data.max_length={args.max_length}", f"train.batch_size={args.batch}",
-        f"train.max_steps={total_steps}", f"train.seed={args.seed}", f"optim.lr={args.lr}", "optim.schedule=constant",
-        "optim.weight_decay=0.0", "optim.max_grad_norm=1.0", "train.progress=false", f"out={work / 'ours'}",
-    ])
+    ours_cfg = load_config(
+        SFTConfig,
+        overrides=[
+            f"model.name_or_path={model_dir}",
+            f"data.path={data_file}",
+            "data.columns={prompt: question, completion: answer}",
+            "data.as_chat=true",
+            f"data.max_length={args.max_length}",
+            f"train.batch_size={args.batch}",
+            f"train.max_steps={total_steps}",
+            f"train.seed={args.seed}",
+            f"optim.lr={args.lr}",
+            "optim.schedule=constant",
+            "optim.weight_decay=0.0",
+            "optim.max_grad_norm=1.0",
+            "train.progress=false",
+            f"out={work / 'ours'}",
+        ],
+    )
     session = start_sft(ours_cfg)
     times: dict[str, list[float]] = {"posttrain": [], "trl": []}
     cpu_times: dict[str, list[float]] = {"posttrain": [], "trl": []}
@@ -142,11 +184,19 @@ def main() -> int:
             cpu_times["posttrain"].append(time.process_time() - cpu)
             ours_losses.append(record["loss"])
             assert record["tokens"] == step_tokens[index], "posttrain trained on another batch than TRL"
-            print(f"step {index + 1}/{total_steps}: posttrain {times['posttrain'][-1]:.1f} s, TRL {times['trl'][-1]:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {index + 1}/{total_steps}: posttrain {times['posttrain'][-1]:.1f} s, TRL {times['trl'][-1]:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    trainer = SFTTrainer(model=hf_model, args=trl_args, train_dataset=trl_dataset, processing_class=hf_tokenizer,
-                         callbacks=[Interleave()])
+    trainer = SFTTrainer(
+        model=hf_model,
+        args=trl_args,
+        train_dataset=trl_dataset,
+        processing_class=hf_tokenizer,
+        callbacks=[Interleave()],
+    )
     trl_ids = [list(ids) for ids in trainer.train_dataset["input_ids"]]
     identical = trl_ids == [rows[i].input_ids for i in order]
     trainer.train()
@@ -155,16 +205,29 @@ def main() -> int:
     timed_tokens = sum(step_tokens[1:])
     rate = {side: timed_tokens / sum(t[1:]) for side, t in times.items()}
     cpu_rate = {side: timed_tokens / sum(t[1:]) for side, t in cpu_times.items()}
-    print(json.dumps({
-        "benchmark": "sft", "model": args.model, "batch": args.batch, "max_length": args.max_length,
-        "timed_steps_each": args.steps, "tokens_per_step": round(timed_tokens / args.steps, 1),
-        "padded_tokens_per_step": round(sum(padded_tokens[1:]) / args.steps, 1),
-        "threads": torch.get_num_threads(), "identical_token_ids": identical,
-        "first_step_loss": {"posttrain": round(ours_losses[0], 5), "trl": round(trl_losses[0], 5) if trl_losses else None},
-        "posttrain_tokens_per_s": round(rate["posttrain"], 2), "trl_tokens_per_s": round(rate["trl"], 2),
-        "ratio": round(rate["posttrain"] / rate["trl"], 3),
-        "cpu_time_ratio": round(cpu_rate["posttrain"] / cpu_rate["trl"], 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "sft",
+                "model": args.model,
+                "batch": args.batch,
+                "max_length": args.max_length,
+                "timed_steps_each": args.steps,
+                "tokens_per_step": round(timed_tokens / args.steps, 1),
+                "padded_tokens_per_step": round(sum(padded_tokens[1:]) / args.steps, 1),
+                "threads": torch.get_num_threads(),
+                "identical_token_ids": identical,
+                "first_step_loss": {
+                    "posttrain": round(ours_losses[0], 5),
+                    "trl": round(trl_losses[0], 5) if trl_losses else None,
+                },
+                "posttrain_tokens_per_s": round(rate["posttrain"], 2),
+                "trl_tokens_per_s": round(rate["trl"], 2),
+                "ratio": round(rate["posttrain"] / rate["trl"], 3),
+                "cpu_time_ratio": round(cpu_rate["posttrain"] / cpu_rate["trl"], 3),
+            }
+        )
+    )
     return 0
 
 

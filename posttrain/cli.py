@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from posttrain.errors import PosttrainError
 
@@ -17,16 +17,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("posttrain.commands.info", "architecture, parameter count, dtype and memory of a model"),
     "convert": ("posttrain.commands.convert", "convert a model (GGUF, HF dir, known name) to an HF directory"),
     "quantize": ("posttrain.commands.quantize", "write an int8 / int4 quantized model directory"),
-    "eval": ("posttrain.commands.eval", "evaluate a model: perplexity, task accuracy / pass@k, EM / F1, preference accuracy"),
+    "eval": (
+        "posttrain.commands.eval",
+        "evaluate a model: perplexity, task accuracy / pass@k, EM / F1, preference accuracy",
+    ),
     "sft": ("posttrain.commands.sft", "supervised fine-tuning on prompt/completion, chat or text data"),
-    "lora-merge": ("posttrain.commands.lora_merge", "merge a PEFT LoRA adapter into its base model and save an HF directory"),
+    "lora-merge": (
+        "posttrain.commands.lora_merge",
+        "merge a PEFT LoRA adapter into its base model and save an HF directory",
+    ),
     "grpo": ("posttrain.commands.grpo", "RL with the GRPO family (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp)"),
     "ppo": ("posttrain.commands.ppo", "RL with PPO (GAE, a value head on the policy trunk)"),
-    "dpo": ("posttrain.commands.dpo", "preference optimisation: dpo (sigmoid), cdpo, robust, hinge, ipo, simpo, orpo, kto"),
+    "dpo": (
+        "posttrain.commands.dpo",
+        "preference optimisation: dpo (sigmoid), cdpo, robust, hinge, ipo, simpo, orpo, kto",
+    ),
     "rm": ("posttrain.commands.rm", "train a reward model (Bradley-Terry, scalar head) for the RL model reward"),
-    "distill": ("posttrain.commands.distill", "distill a teacher into a student (forward / reverse KL, JSD; off- or on-policy)"),
-    "serve": ("posttrain.commands.serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) over the engine"),
-    "estimate": ("posttrain.commands.estimate", "memory per device and time per step of a training setup, from the shapes alone"),
+    "distill": (
+        "posttrain.commands.distill",
+        "distill a teacher into a student (forward / reverse KL, JSD; off- or on-policy)",
+    ),
+    "serve": (
+        "posttrain.commands.serve",
+        "an OpenAI-compatible HTTP server (completions, chat, streaming) over the engine",
+    ),
+    "estimate": (
+        "posttrain.commands.estimate",
+        "memory per device and time per step of a training setup, from the shapes alone",
+    ),
     "report": ("posttrain.commands.report", "render a run directory's metrics.jsonl as report.html with plots"),
 }
 

@@ -85,9 +85,7 @@ def parse_cli_config(cls: type[T], argv: Sequence[str]) -> T:
     path = None
     if args and not args[0].startswith("-") and "=" not in args[0]:
         if not _looks_like_yaml_path(args[0]):
-            raise ConfigError(
-                f"'{args[0]}': expected a YAML config file (.yaml/.yml) or a key=value override"
-            )
+            raise ConfigError(f"'{args[0]}': expected a YAML config file (.yaml/.yml) or a key=value override")
         path = args.pop(0)
     return load_config(cls, path, _cli_overrides(args))
 
@@ -275,9 +273,7 @@ class _Builder:
             )
             section.values[name] = entries
         else:
-            source.fail(
-                _join(key, ".".join(parts[1:])), f"'{key}' is a {_type_name(field_type)}, not a section"
-            )
+            source.fail(_join(key, ".".join(parts[1:])), f"'{key}' is a {_type_name(field_type)}, not a section")
 
     def _set_field(
         self, section: _Section, name: str, value: Any, key: str, source: _Source, raw_text: str | None
@@ -538,7 +534,7 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
         args = typing.get_args(tp)
         options = tuple(a for a in args if a is not _NONE_TYPE)
         if len(options) < len(args):
-            return (options[0] if len(options) == 1 else Union[options]), True
+            return (options[0] if len(options) == 1 else Union[options]), True  # noqa: UP007 (a Union built from a tuple)
     return tp, False
 
 

@@ -37,9 +37,15 @@ class MetricsLogger:
     config.yaml); `project` is the W&B / Trackio project and the MLflow experiment. `tensorboard=True` is
     the older spelling of `report_to=["tensorboard"]`."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False, *,
-                 report_to: Sequence[str] | str | None = (), config: Mapping[str, Any] | None = None,
-                 project: str = DEFAULT_PROJECT):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = False,
+        *,
+        report_to: Sequence[str] | str | None = (),
+        config: Mapping[str, Any] | None = None,
+        project: str = DEFAULT_PROJECT,
+    ):
         run_dir = Path(run_dir)
         self.path = run_dir / METRICS_FILE
         try:

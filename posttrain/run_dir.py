@@ -102,8 +102,7 @@ def _check_out_dir(run_dir: Path, resume: bool) -> None:
         raise PosttrainError(f"{run_dir}: nothing to resume (no {CONFIG_FILE} of an earlier run there)")
     if holds_run and not resume:
         raise PosttrainError(
-            f"{run_dir}: already holds another run ({CONFIG_FILE} exists); "
-            "choose another --out or resume that run"
+            f"{run_dir}: already holds another run ({CONFIG_FILE} exists); choose another --out or resume that run"
         )
     # A non-empty directory without a config.yaml (say, a scheduler's log) is not a run: fine.
 

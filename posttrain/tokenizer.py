@@ -75,9 +75,7 @@ class Tokenizer:
             raise CheckpointError(f"{tokenizer_file}: cannot be read as a tokenizer ({error})") from error
         config = _read_json(directory / TOKENIZER_CONFIG_FILE)
         special_map = _read_json(directory / "special_tokens_map.json")
-        tokens = {
-            name: _token_content(config.get(name, special_map.get(name))) for name in SPECIAL_TOKEN_NAMES
-        }
+        tokens = {name: _token_content(config.get(name, special_map.get(name))) for name in SPECIAL_TOKEN_NAMES}
         template_file = directory / CHAT_TEMPLATE_FILE
         chat_template = (
             template_file.read_text(encoding="utf-8")
@@ -107,8 +105,9 @@ class Tokenizer:
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
             (directory / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
-        (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                        encoding="utf-8")
+        (directory / TOKENIZER_CONFIG_FILE).write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
 
     # ---- ids -----------------------------------------------------------------------------------
 
@@ -117,7 +116,9 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [encoding.ids for encoding in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return [
+            encoding.ids for encoding in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -164,8 +165,11 @@ class Tokenizer:
         ids = set(self.extra_eos_token_ids)
         if self.eos_token_id is not None:
             ids.add(self.eos_token_id)
-        special_ids = {token.content: token_id for token_id, token in self.backend.get_added_tokens_decoder().items()
-                       if token.special}
+        special_ids = {
+            token.content: token_id
+            for token_id, token in self.backend.get_added_tokens_decoder().items()
+            if token.special
+        }
         for token in END_OF_TURN_TOKENS:
             if token in special_ids and self.chat_template and token in self.chat_template:
                 ids.add(special_ids[token])
@@ -215,16 +219,18 @@ def _validated_messages(messages: Any) -> list[dict[str, Any]]:
     conversation = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise PosttrainError(f"chat message {index} must be a dict with 'role' and 'content', "
-                                 f"got {type(message).__name__}")
+            raise PosttrainError(
+                f"chat message {index} must be a dict with 'role' and 'content', got {type(message).__name__}"
+            )
         if not isinstance(message.get("role"), str):
             raise PosttrainError(f"chat message {index} has no string 'role'")
         content = message.get("content")
         if content is None and not message.get("tool_calls"):
             raise PosttrainError(f"chat message {index} (role {message['role']!r}) has no 'content'")
         if content is not None and not isinstance(content, (str, list)):
-            raise PosttrainError(f"chat message {index}: 'content' must be a string or a list of parts, "
-                                 f"got {type(content).__name__}")
+            raise PosttrainError(
+                f"chat message {index}: 'content' must be a string or a list of parts, got {type(content).__name__}"
+            )
         conversation.append({key: value for key, value in message.items() if value is not None})
     return conversation
 
@@ -251,8 +257,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # HF's version: no HTML escaping (Jinja's built-in escapes <, >, &), and the json.dumps options exposed
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -303,5 +314,6 @@ def _default_template(value: Any, directory: Path) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, Mapping)}
         if "default" in named:
             return named["default"]
-    raise CheckpointError(f"{directory / TOKENIZER_CONFIG_FILE}: chat_template is neither a string "
-                          "nor a list with a 'default' entry")
+    raise CheckpointError(
+        f"{directory / TOKENIZER_CONFIG_FILE}: chat_template is neither a string nor a list with a 'default' entry"
+    )

@@ -63,13 +63,15 @@ def reorder_close(got: float, want: float, rtol: float = REORDER_RTOL) -> bool:
     return abs(got - want) <= reorder_tolerance(want, rtol)
 
 
-def assert_reordered(actual: torch.Tensor, expected: torch.Tensor, rtol: float = REORDER_RTOL,
-                     msg: str | None = None) -> None:
+def assert_reordered(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float = REORDER_RTOL, msg: str | None = None
+) -> None:
     """actual equals expected up to reordered sums: each entry within rtol of expected's largest entry (the scale
     of the terms an entry sums, which a near-zero entry reached by cancellation still has) plus rtol of itself."""
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, torch.finfo(expected.dtype).tiny),
-                               msg=msg)
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=rtol * max(scale, torch.finfo(expected.dtype).tiny), msg=msg
+    )
 
 
 def adam_drift(lr: float, updates: int, eps: float, max_grad_norm: float = 1.0, rtol: float = REORDER_RTOL) -> float:
@@ -90,8 +92,10 @@ def adam_drift(lr: float, updates: int, eps: float, max_grad_norm: float = 1.0, 
     """
     gain = rtol * max_grad_norm / eps  # the most an update's size, in units of lr, can follow the rounding
     if gain > 0.05:
-        raise ValueError(f"optim.eps={eps} lets AdamW's step follow the gradient's rounding ({gain:.2g} lr a step): "
-                         f"compare runs with optim.eps >= {rtol * max_grad_norm / 0.05:.1g} (tests/numeric.py)")
+        raise ValueError(
+            f"optim.eps={eps} lets AdamW's step follow the gradient's rounding ({gain:.2g} lr a step): "
+            f"compare runs with optim.eps >= {rtol * max_grad_norm / 0.05:.1g} (tests/numeric.py)"
+        )
     return 2 * lr * gain * updates
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 
@@ -56,7 +56,7 @@ class TrainConfig:
     seed: int = 0
     max_steps: int = 100
     packing: bool = False
-    run_name: Optional[str] = None
+    run_name: str | None = None
     precision: Precision = Precision.FP32
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -77,7 +77,7 @@ class RequiredConfig:
 class TunedDefaults:
     # The section's default comes from a factory with non-class values: touching one key keeps the rest.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50))
-    lora: Optional[LoraConfig] = field(default_factory=lambda: LoraConfig(r=4))
+    lora: LoraConfig | None = field(default_factory=lambda: LoraConfig(r=4))
 
 
 @dataclass

@@ -133,8 +133,16 @@ def test_no_import_circles():
 def test_the_checker_sees_a_circle_and_a_wrong_direction():
     graph = {"posttrain.a.x": {"posttrain.b.y"}, "posttrain.b.y": {"posttrain.a.x"}, "posttrain.c": set()}
     assert strongly_connected(graph) == [["posttrain.a.x", "posttrain.b.y"]]
-    graph = {"posttrain.models.hub": {"posttrain.quant.io", "posttrain.models.config"},
-             "posttrain.algos.kl": {"posttrain.errors"}, "posttrain.trainers.sft": {"posttrain.models.hub"}}
-    assert broken_rules(graph) == ["posttrain.algos.kl -> posttrain.errors", "posttrain.models.hub -> posttrain.quant.io"]
+    graph = {
+        "posttrain.models.hub": {"posttrain.quant.io", "posttrain.models.config"},
+        "posttrain.algos.kl": {"posttrain.errors"},
+        "posttrain.trainers.sft": {"posttrain.models.hub"},
+    }
+    assert broken_rules(graph) == [
+        "posttrain.algos.kl -> posttrain.errors",
+        "posttrain.models.hub -> posttrain.quant.io",
+    ]
     known = module_files()
-    assert "posttrain.models.transformer" in imported_modules("posttrain.models.hub", known["posttrain.models.hub"], known)
+    assert "posttrain.models.transformer" in imported_modules(
+        "posttrain.models.hub", known["posttrain.models.hub"], known
+    )

@@ -25,7 +25,11 @@ def test_log_appends_one_json_record_per_line(tmp_path):
     first = json.loads(lines[0])
     assert first["step"] == 1 and isinstance(first["time"], float)
     assert {k: first[k] for k in ("loss", "lr", "tokens", "phase", "clipped")} == {
-        "loss": 2.5, "lr": 1e-4, "tokens": 128, "phase": "warmup", "clipped": True
+        "loss": 2.5,
+        "lr": 1e-4,
+        "tokens": 128,
+        "phase": "warmup",
+        "clipped": True,
     }
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
@@ -117,7 +121,9 @@ def test_read_metrics_reports_a_corrupt_line_with_its_number(tmp_path):
 def test_tensorboard_missing_is_a_clear_error(tmp_path, monkeypatch):
     # None in sys.modules makes the import fail, as on a machine without tensorboard installed.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(PosttrainError, match=r"the tensorboard package is not installed: pip install 'posttrain\[tensorboard\]'"):
+    with pytest.raises(
+        PosttrainError, match=r"the tensorboard package is not installed: pip install 'posttrain\[tensorboard\]'"
+    ):
         MetricsLogger(tmp_path, tensorboard=True)
     assert not (tmp_path / "metrics.jsonl").exists()
 

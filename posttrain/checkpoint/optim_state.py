@@ -38,13 +38,16 @@ def optimizer_to_plain(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any]
     return {"state": state, "param_groups": groups}, tensors
 
 
-def load_optimizer_plain(optimizer: torch.optim.Optimizer, plain: dict[str, Any], tensors: dict[str, torch.Tensor],
-                         source: str) -> None:
+def load_optimizer_plain(
+    optimizer: torch.optim.Optimizer, plain: dict[str, Any], tensors: dict[str, torch.Tensor], source: str
+) -> None:
     """Put a state written by `optimizer_to_plain` back into `optimizer` (built the same way, over the same
     parameters). torch moves each tensor to its parameter's device."""
     try:
-        state = {int(index): {name: _resolve(value, tensors, source) for name, value in entries.items()}
-                 for index, entries in plain["state"].items()}
+        state = {
+            int(index): {name: _resolve(value, tensors, source) for name, value in entries.items()}
+            for index, entries in plain["state"].items()
+        }
         groups = plain["param_groups"]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{source}: not an optimizer state ({error!r})") from None
@@ -52,10 +55,13 @@ def load_optimizer_plain(optimizer: torch.optim.Optimizer, plain: dict[str, Any]
     if len(groups) != len(live) or any(len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, live)):
         raise CheckpointError(
             f"{source}: the optimizer state has {[len(g['params']) for g in groups]} parameters per group, this "
-            f"run's optimizer {[len(mine['params']) for mine in live]} (a different model, LoRA config or head?)")
+            f"run's optimizer {[len(mine['params']) for mine in live]} (a different model, LoRA config or head?)"
+        )
     # JSON has no tuples: give back the live type (AdamW's betas) so the groups compare equal after loading.
-    groups = [{k: tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v for k, v in g.items()}
-              for g, mine in zip(groups, live)]
+    groups = [
+        {k: tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v for k, v in g.items()}
+        for g, mine in zip(groups, live)
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -83,13 +83,17 @@ def _resolve(resume: str, out: str | None) -> tuple[Path | None, Path]:
     if not checkpoint.is_dir():
         raise CheckpointError(f"resume: {checkpoint} is not a directory (pass auto or a checkpoint directory)")
     if not is_committed(checkpoint):
-        raise CheckpointError(f"resume: {checkpoint} has no {COMMIT_MARKER} marker: its write was interrupted, "
-                              "or it is not a checkpoint of a run")
+        raise CheckpointError(
+            f"resume: {checkpoint} has no {COMMIT_MARKER} marker: its write was interrupted, "
+            "or it is not a checkpoint of a run"
+        )
     if out is not None:
         return checkpoint, Path(out)
     if checkpoint.parent.name != CHECKPOINTS_DIR:
-        raise ConfigError(f"resume: {checkpoint} is not inside a run's {CHECKPOINTS_DIR}/; pass out= for the run "
-                          "directory to write into")
+        raise ConfigError(
+            f"resume: {checkpoint} is not inside a run's {CHECKPOINTS_DIR}/; pass out= for the run "
+            "directory to write into"
+        )
     return checkpoint, checkpoint.parent.parent
 
 
@@ -98,9 +102,13 @@ def _warn_about_later_checkpoints(run_dir: Path, step: int) -> None:
     step again, but until then `resume=auto` would pick the newest of them."""
     later = [path.name for s, path in committed_checkpoints(run_dir) if s > step]
     if later:
-        logger.warning("%s holds later checkpoints (%s) of the run being continued from step %d; they are "
-                       "replaced as the run reaches them (resume=auto would pick them meanwhile)",
-                       run_dir / CHECKPOINTS_DIR, ", ".join(later), step)
+        logger.warning(
+            "%s holds later checkpoints (%s) of the run being continued from step %d; they are "
+            "replaced as the run reaches them (resume=auto would pick them meanwhile)",
+            run_dir / CHECKPOINTS_DIR,
+            ", ".join(later),
+            step,
+        )
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> None:

@@ -65,11 +65,13 @@ def restore_rng(plain: dict[str, Any], tensors: dict[str, torch.Tensor], source:
     if _CPU not in tensors:
         raise CheckpointError(f"{source}: no torch CPU RNG state")
     torch.set_rng_state(tensors[_CPU])
-    cuda = sorted((int(k[len(_CUDA):]), v) for k, v in tensors.items() if k.startswith(_CUDA))
+    cuda = sorted((int(k[len(_CUDA) :]), v) for k, v in tensors.items() if k.startswith(_CUDA))
     if cuda:
         if not torch.cuda.is_available() or torch.cuda.device_count() < len(cuda):
-            raise CheckpointError(f"{source}: saved with the RNG state of {len(cuda)} CUDA device(s), "
-                                  f"this process has {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+            raise CheckpointError(
+                f"{source}: saved with the RNG state of {len(cuda)} CUDA device(s), "
+                f"this process has {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+            )
         for index, state in cuda:
             torch.cuda.set_rng_state(state, index)
 
@@ -79,12 +81,15 @@ def capture_rank_rngs() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     ({"world_size": N, "ranks": [plain of rank 0, ...]}, {"rank<r>.<name>": tensor of rank r})."""
     states = all_gather_objects(capture_rng())
     plain = {"world_size": len(states), "ranks": [rank_plain for rank_plain, _ in states]}
-    tensors = {f"rank{rank}.{name}": t for rank, (_, rank_tensors) in enumerate(states) for name, t in rank_tensors.items()}
+    tensors = {
+        f"rank{rank}.{name}": t for rank, (_, rank_tensors) in enumerate(states) for name, t in rank_tensors.items()
+    }
     return plain, tensors
 
 
-def restore_rank_rng(plain: dict[str, Any], tensors: dict[str, torch.Tensor], source: str, rank: int,
-                     world_size: int) -> None:
+def restore_rank_rng(
+    plain: dict[str, Any], tensors: dict[str, torch.Tensor], source: str, rank: int, world_size: int
+) -> None:
     """Put back this rank's part of what `capture_rank_rngs` returned (see the module docstring for a different
     world size). A checkpoint of the older format (one state, rank 0's) is restored on every rank."""
     if "ranks" not in plain:
@@ -92,11 +97,17 @@ def restore_rank_rng(plain: dict[str, Any], tensors: dict[str, torch.Tensor], so
         return
     saved = int(plain["world_size"])
     if saved != world_size and rank == 0:
-        logger.warning("%s: RNG states of %d rank(s), this run has %d: ranks below %d continue their saved streams, "
-                       "the others keep the streams they were seeded with; random draws (unseeded rollouts, dropout) "
-                       "differ from the uninterrupted run's", source, saved, world_size, min(saved, world_size))
+        logger.warning(
+            "%s: RNG states of %d rank(s), this run has %d: ranks below %d continue their saved streams, "
+            "the others keep the streams they were seeded with; random draws (unseeded rollouts, dropout) "
+            "differ from the uninterrupted run's",
+            source,
+            saved,
+            world_size,
+            min(saved, world_size),
+        )
     if rank >= saved:
         return
     prefix = f"rank{rank}."
-    own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+    own = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
     restore_rng(plain["ranks"][rank], own, source)

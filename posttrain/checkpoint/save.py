@@ -122,7 +122,11 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int | None) -> None:
 
 
 def save_checkpoint(
-    model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, step: int, keep_last: int | None = None,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    run_dir: str | Path,
+    step: int,
+    keep_last: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Save the model only (no optimizer or RNG state) at `step`; with `keep_last`, delete all but the newest

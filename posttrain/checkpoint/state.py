@@ -115,13 +115,18 @@ class Checkpointer:
             save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
         save_file(rng_tensors, str(tmp / RNG_FILE))
         if self.modules and not sharded:  # in shards/ under fsdp2
-            tensors = {f"{name}.{key}": value.detach().to("cpu").contiguous()
-                       for name, module in self.modules.items() for key, value in module.state_dict().items()}
+            tensors = {
+                f"{name}.{key}": value.detach().to("cpu").contiguous()
+                for name, module in self.modules.items()
+                for key, value in module.state_dict().items()
+            }
             save_file(tensors, str(tmp / MODULES_FILE))
         if self.write_extras is not None and not sharded:  # they would need whole weights gathered: final/ has them
             self.write_extras(tmp)
         record = {
-            "format": FORMAT_VERSION, "command": self.command, "step": step,
+            "format": FORMAT_VERSION,
+            "command": self.command,
+            "step": step,
             "optimizer": optimizer_plain,
             "scheduler": scheduler_to_plain(self.scheduler) if self.scheduler is not None else None,
             "rng": rng_plain,
@@ -144,27 +149,31 @@ class Checkpointer:
         path = Path(path)
         record = read_trainer_state(path)
         if record.get("command") != self.command:
-            raise CheckpointError(f"{path}: written by `posttrain {record.get('command')}`, cannot resume "
-                                  f"`posttrain {self.command}`")
+            raise CheckpointError(
+                f"{path}: written by `posttrain {record.get('command')}`, cannot resume `posttrain {self.command}`"
+            )
         sharded = is_sharded_checkpoint(path / SHARDS_DIR)
         if sharded:  # written by FSDP2 ranks: resharded to this run's layout, whatever its world size
             load_sharded(self.model, self.optimizer, path / SHARDS_DIR, self.modules)
         elif self.parallel is not None and self.parallel.strategy == "fsdp2":
-            raise CheckpointError(f"{path}: written by a single-process or ddp run (whole weights); dist.strategy=fsdp2 "
-                                  "resumes from sharded checkpoints only: resume it with dist.strategy=ddp or none")
+            raise CheckpointError(
+                f"{path}: written by a single-process or ddp run (whole weights); dist.strategy=fsdp2 "
+                "resumes from sharded checkpoints only: resume it with dist.strategy=ddp or none"
+            )
         else:
             load_trained_weights(self.model, path)
         if self.modules and not sharded:
             tensors = _read_tensors(path / MODULES_FILE)
             for name, module in self.modules.items():
-                own = {key[len(name) + 1:]: value for key, value in tensors.items() if key.startswith(name + ".")}
+                own = {key[len(name) + 1 :]: value for key, value in tensors.items() if key.startswith(name + ".")}
                 try:
                     module.load_state_dict(own)
                 except RuntimeError as error:
                     raise CheckpointError(f"{path / MODULES_FILE}: module {name!r}: {error}") from None
         if not sharded:
-            load_optimizer_plain(self.optimizer, record["optimizer"], _read_tensors(path / OPTIMIZER_FILE),
-                                 str(path / OPTIMIZER_FILE))
+            load_optimizer_plain(
+                self.optimizer, record["optimizer"], _read_tensors(path / OPTIMIZER_FILE), str(path / OPTIMIZER_FILE)
+            )
         if self.scheduler is not None:
             self.scheduler.load_state_dict(record["scheduler"])
         saved = record.get("state", {})
@@ -173,8 +182,13 @@ class Checkpointer:
                 raise CheckpointError(f"{path / STATE_FILE}: no state for {name!r}")
             obj.load_state_dict(saved[name])
         ctx = self.parallel.ctx if self.parallel is not None else None
-        restore_rank_rng(record["rng"], _read_tensors(path / RNG_FILE), str(path / RNG_FILE),
-                         rank=ctx.rank if ctx is not None else 0, world_size=ctx.world_size if ctx is not None else 1)
+        restore_rank_rng(
+            record["rng"],
+            _read_tensors(path / RNG_FILE),
+            str(path / RNG_FILE),
+            rank=ctx.rank if ctx is not None else 0,
+            world_size=ctx.world_size if ctx is not None else 1,
+        )
         return int(record["step"])
 
 
@@ -201,7 +215,11 @@ def load_trained_weights(model: nn.Module, path: str | Path) -> None:
         state = {}
         for key, tensor in read_adapter_tensors(path).items():
             suffix = next((s for s in LORA_SUFFIXES if key.endswith(s)), None)
-            ours = hf_to_ours(key[len(KEY_PREFIX):-len(suffix)] + ".weight") if key.startswith(KEY_PREFIX) and suffix else None
+            ours = (
+                hf_to_ours(key[len(KEY_PREFIX) : -len(suffix)] + ".weight")
+                if key.startswith(KEY_PREFIX) and suffix
+                else None
+            )
             if ours is None:
                 raise CheckpointError(f"{path}: unexpected adapter tensor {key!r}")
             state[f"{ours.removesuffix('.weight')}{suffix.removesuffix('.weight')}.{adapter}.weight"] = tensor
@@ -213,8 +231,10 @@ def load_trained_weights(model: nn.Module, path: str | Path) -> None:
         tied = model.lm_head.weight is model.embed_tokens.weight if hasattr(model, "lm_head") else False
         missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
         if result.unexpected_keys or missing:
-            raise CheckpointError(f"{path}: the saved weights do not fit this model (missing {missing[:3]}, "
-                                  f"unexpected {result.unexpected_keys[:3]})")
+            raise CheckpointError(
+                f"{path}: the saved weights do not fit this model (missing {missing[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]})"
+            )
         loaded = set(state) | ({"lm_head.weight"} if tied else set())
     untouched = [name for name, p in model.named_parameters() if p.requires_grad and name not in loaded]
     if untouched:

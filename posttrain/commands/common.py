@@ -21,16 +21,18 @@ def is_main_process() -> bool:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"HF directory, .gguf file or known name (default: {DEFAULT_MODEL})")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"HF directory, .gguf file or known name (default: {DEFAULT_MODEL})"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)"
+    )
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
 
 
 def add_out_arguments(parser: argparse.ArgumentParser) -> None:
     """`--out DIR` and `--force` of a command that writes one model directory (convert, quantize, lora-merge)."""
-    parser.add_argument("--out", required=True,
-                        help="output directory (must not exist or be empty, unless --force)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
 
 
@@ -46,11 +48,18 @@ def add_config_arguments(parser: argparse.ArgumentParser, example: str, distribu
     """The trainers' one positional: an optional YAML config, then dotted overrides (`example` shows some);
     `distributed`: the trainer has a `dist:` section, and takes `--nproc N`."""
     if distributed:
-        parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                            help="run data-parallel in N processes on this machine (torchrun; set dist.strategy=ddp "
-                                 "or fsdp2, see docs/distributed.md)")
+        parser.add_argument(
+            "--nproc",
+            type=int,
+            default=None,
+            metavar="N",
+            help="run data-parallel in N processes on this machine (torchrun; set dist.strategy=ddp "
+            "or fsdp2, see docs/distributed.md)",
+        )
     parser.add_argument(
-        "argv", nargs=argparse.REMAINDER, metavar="[CONFIG.yaml] [key=value ...]",
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="[CONFIG.yaml] [key=value ...]",
         help=f"an optional YAML config, then overrides such as {example}",
     )
 

@@ -16,8 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_out_arguments(parser)
     layers = parser.add_mutually_exclusive_group()
-    layers.add_argument("--num-layers", type=int, default=None,
-                        help="keep N evenly spaced decoder layers, the first included (30 -> 15: every other layer)")
+    layers.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="keep N evenly spaced decoder layers, the first included (30 -> 15: every other layer)",
+    )
     layers.add_argument("--keep-layers", default=None, help="keep these decoder layers, e.g. 0,2,4 (increasing)")
 
 
@@ -27,8 +31,13 @@ def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype, device="cpu")
     total = model.config.num_hidden_layers
-    keep = (evenly_spaced_layers(total, args.num_layers) if args.num_layers is not None
-            else parse_layer_list(args.keep_layers, total) if args.keep_layers is not None else None)
+    keep = (
+        evenly_spaced_layers(total, args.num_layers)
+        if args.num_layers is not None
+        else parse_layer_list(args.keep_layers, total)
+        if args.keep_layers is not None
+        else None
+    )
     if keep is not None:
         model = keep_layers(model, keep)
         print(f"kept {len(keep)} of {total} layers: {','.join(map(str, keep))}")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from posttrain.commands.common import add_model_arguments
 from posttrain.commands.eval_generation import accuracy_arguments, accuracy_run, em_f1_arguments, em_f1_run
@@ -38,7 +38,9 @@ def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--column", default="text", help="the column holding the text (default: text; GSM8K: answer)")
     parser.add_argument("--skip", type=int, default=0, help="skip this many rows first (e.g. to score the last ones)")
     parser.add_argument("--max-rows", type=int, default=None, help="score at most this many rows")
-    parser.add_argument("--max-length", type=int, default=1024, help="tokens per row, longer rows are cut (default 1024)")
+    parser.add_argument(
+        "--max-length", type=int, default=1024, help="tokens per row, longer rows are cut (default 1024)"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="rows the engine prefills together (default 8)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -48,25 +50,54 @@ def _ppl_run(args: argparse.Namespace) -> int:
     from posttrain.models.hub import load_model  # also reads `posttrain quantize` directories
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    result = evaluate_perplexity(model, tokenizer, args.data, args.column, args.skip, args.max_rows,
-                                 args.max_length, args.batch_size, progress=True)
+    result = evaluate_perplexity(
+        model,
+        tokenizer,
+        args.data,
+        args.column,
+        args.skip,
+        args.max_rows,
+        args.max_length,
+        args.batch_size,
+        progress=True,
+    )
     if args.json:
-        print(json.dumps({"task": "ppl", "model": str(args.model), "data": str(args.data), "column": args.column,
-                          "skip": args.skip, "max_length": args.max_length, **result.to_dict()}))
+        print(
+            json.dumps(
+                {
+                    "task": "ppl",
+                    "model": str(args.model),
+                    "data": str(args.data),
+                    "column": args.column,
+                    "skip": args.skip,
+                    "max_length": args.max_length,
+                    **result.to_dict(),
+                }
+            )
+        )
     else:
-        print(f"perplexity {result.perplexity:.4f}  (mean NLL {result.mean_nll:.4f} nats over {result.tokens} tokens, "
-              f"{result.rows} rows, {result.truncated_rows} cut to {args.max_length} tokens)")
+        print(
+            f"perplexity {result.perplexity:.4f}  (mean NLL {result.mean_nll:.4f} nats over {result.tokens} tokens, "
+            f"{result.rows} rows, {result.truncated_rows} cut to {args.max_length} tokens)"
+        )
     return 0
 
 
 TASKS: dict[str, EvalTask] = {
     "ppl": EvalTask("perplexity on held-out text (a JSONL text column)", _ppl_arguments, _ppl_run),
-    "accuracy": EvalTask("task accuracy and pass@k of generated answers (built-in task, or a file + a reward)",
-                         accuracy_arguments, accuracy_run),
-    "em-f1": EvalTask("exact match and token F1 of generated answers against a reference column",
-                      em_f1_arguments, em_f1_run),
-    "preference": EvalTask("pairwise preference accuracy of a reward model or a DPO policy's implicit reward",
-                           preference_arguments, preference_run),
+    "accuracy": EvalTask(
+        "task accuracy and pass@k of generated answers (built-in task, or a file + a reward)",
+        accuracy_arguments,
+        accuracy_run,
+    ),
+    "em-f1": EvalTask(
+        "exact match and token F1 of generated answers against a reference column", em_f1_arguments, em_f1_run
+    ),
+    "preference": EvalTask(
+        "pairwise preference accuracy of a reward model or a DPO policy's implicit reward",
+        preference_arguments,
+        preference_run,
+    ),
 }
 
 

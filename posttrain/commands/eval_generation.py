@@ -32,14 +32,22 @@ def parse_ks(values: list[str]) -> list[int]:
     return out
 
 
-def _data_arguments(parser: argparse.ArgumentParser, answer_help: str,
-                    num_help: str = "evaluate the first N rows of --data (default: all)") -> None:
+def _data_arguments(
+    parser: argparse.ArgumentParser,
+    answer_help: str,
+    num_help: str = "evaluate the first N rows of --data (default: all)",
+) -> None:
     group = parser.add_argument_group("data")
-    group.add_argument("--data", type=Path, default=None, help="dataset file (JSONL, JSON, Parquet) or saved HF dataset")
+    group.add_argument(
+        "--data", type=Path, default=None, help="dataset file (JSONL, JSON, Parquet) or saved HF dataset"
+    )
     group.add_argument("--prompt-column", default="prompt", help="the prompt: text or chat messages (default: prompt)")
     group.add_argument("--answer-column", default="answer", help=answer_help)
-    group.add_argument("--prompt-template", default=None,
-                       help="build a text prompt from the row's columns, e.g. '{question}\\nAnswer briefly.'")
+    group.add_argument(
+        "--prompt-template",
+        default=None,
+        help="build a text prompt from the row's columns, e.g. '{question}\\nAnswer briefly.'",
+    )
     group.add_argument("--system", default=None, help="a system message before text prompts")
     group.add_argument("--num", type=int, default=None, help=num_help)
 
@@ -51,12 +59,25 @@ def _generation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same samples; default 0)")
-    group.add_argument("--max-tokens", type=int, default=None,
-                       help="tokens per completion (default: 32 for --task arithmetic, else 256)")
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per completion (default: 32 for --task arithmetic, else 256)",
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: the longest prompt + --max-tokens)")
-    parser.add_argument("--samples", type=Path, default=None, help="write the first samples (prompt, completion, "
-                                                                     "score) to this JSONL file")
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="engine context limit (default: the longest prompt + --max-tokens)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=Path,
+        default=None,
+        help="write the first samples (prompt, completion, score) to this JSONL file",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,8 +85,14 @@ def _sampling(args: argparse.Namespace, task: str | None) -> Any:
     from posttrain.eval.generation import Sampling
 
     max_tokens = args.max_tokens if args.max_tokens is not None else DEFAULT_MAX_TOKENS.get(task or "", 256)
-    return Sampling(n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=max_tokens,
-                    seed=args.seed, stop=tuple(args.stop))
+    return Sampling(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
 
 
 def _rows(args: argparse.Namespace, task: str | None) -> Any:
@@ -78,16 +105,25 @@ def _rows(args: argparse.Namespace, task: str | None) -> Any:
             raise PosttrainError("give --task or --data, not both (a task's own data file is --task-data)")
         return task_rows(task, args.num or 100, getattr(args, "task_data", None))
     if args.data is None:
-        raise PosttrainError("no prompts: give --data FILE" + (" or --task NAME" if hasattr(args, "builtin_task") else ""))
-    return file_rows(args.data, args.prompt_column, args.answer_column, max_rows=args.num,
-                     system_prompt=args.system, template=args.prompt_template)
+        raise PosttrainError(
+            "no prompts: give --data FILE" + (" or --task NAME" if hasattr(args, "builtin_task") else "")
+        )
+    return file_rows(
+        args.data,
+        args.prompt_column,
+        args.answer_column,
+        max_rows=args.num,
+        system_prompt=args.system,
+        template=args.prompt_template,
+    )
 
 
 def _engine(args: argparse.Namespace, rows: list[dict[str, Any]], sampling: Any) -> Any:
     from posttrain.eval.generation import make_engine
 
-    return make_engine(args.model, rows, sampling, dtype=args.dtype, device=args.device,
-                       max_model_len=args.max_model_len)
+    return make_engine(
+        args.model, rows, sampling, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len
+    )
 
 
 def _write_samples(path: Path | None, records: list[dict[str, Any]]) -> None:
@@ -100,9 +136,16 @@ def _write_samples(path: Path | None, records: list[dict[str, Any]]) -> None:
 
 
 def _header(args: argparse.Namespace, name: str, source: str, sampling: Any) -> dict[str, Any]:
-    return {"task": name, "model": str(args.model), "data": source, "n": sampling.n,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
-            "max_tokens": sampling.max_tokens}
+    return {
+        "task": name,
+        "model": str(args.model),
+        "data": source,
+        "n": sampling.n,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "max_tokens": sampling.max_tokens,
+    }
 
 
 # ---- accuracy ---------------------------------------------------------------------------------------
@@ -112,15 +155,27 @@ def accuracy_arguments(parser: argparse.ArgumentParser) -> None:
     from posttrain.tasks import TASKS
 
     # dest: `args.task` is the eval subcommand's name (posttrain eval <task>)
-    parser.add_argument("--task", dest="builtin_task", choices=sorted(TASKS), default=None,
-                        help="a built-in task's held-out problems (its own reward unless --reward is given)")
+    parser.add_argument(
+        "--task",
+        dest="builtin_task",
+        choices=sorted(TASKS),
+        default=None,
+        help="a built-in task's held-out problems (its own reward unless --reward is given)",
+    )
     parser.add_argument("--task-data", default=None, help="the task's data file (gsm8k: a train.jsonl)")
-    _data_arguments(parser, "the reference answer, given to the reward as `answer` (default: answer)",
-                    "problems to evaluate: the first N rows of --data, or N held-out problems of --task "
-                    "(default: all rows; 100 task problems)")
-    parser.add_argument("--reward", action="append", default=[],
-                        help="reward spec: a built-in (numeric_match, gsm8k, boxed, ...) or path/to/file.py:function; "
-                             "repeatable, the total is the sum")
+    _data_arguments(
+        parser,
+        "the reference answer, given to the reward as `answer` (default: answer)",
+        "problems to evaluate: the first N rows of --data, or N held-out problems of --task "
+        "(default: all rows; 100 task problems)",
+    )
+    parser.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        help="reward spec: a built-in (numeric_match, gsm8k, boxed, ...) or path/to/file.py:function; "
+        "repeatable, the total is the sum",
+    )
     parser.add_argument("--threshold", type=float, default=1.0, help="a sample is correct when reward >= this (1.0)")
     parser.add_argument("--k", nargs="+", default=None, help="pass@k for these k (e.g. --k 1,4; default: 1 and n)")
     _generation_arguments(parser)
@@ -135,22 +190,33 @@ def accuracy_run(args: argparse.Namespace) -> int:
     sampling.validate()
     ks = check_ks(parse_ks(args.k) if args.k else (1, sampling.n), sampling.n)
     if not args.reward and args.builtin_task is None:
-        raise PosttrainError("no reward function: with --data, name one with --reward (a built-in, e.g. "
-                             "numeric_match, or path/to/file.py:function)")
+        raise PosttrainError(
+            "no reward function: with --data, name one with --reward (a built-in, e.g. "
+            "numeric_match, or path/to/file.py:function)"
+        )
     data = _rows(args, args.builtin_task)
     specs = args.reward or ([data.default_reward] if data.default_reward else [])
     if not specs:
         raise PosttrainError(NO_REWARD)
     reward_specs = load_reward_specs(specs, row_columns(data.rows))  # bad specs fail before the model loads
-    result = evaluate_accuracy(_engine(args, data.rows, sampling), data.rows, reward_specs, sampling=sampling, ks=ks,
-                               threshold=args.threshold, progress=True)
+    result = evaluate_accuracy(
+        _engine(args, data.rows, sampling),
+        data.rows,
+        reward_specs,
+        sampling=sampling,
+        ks=ks,
+        threshold=args.threshold,
+        progress=True,
+    )
     _write_samples(args.samples, result.records)
     if args.json:
         print(json.dumps({**_header(args, "accuracy", data.source, sampling), "reward": specs, **result.to_dict()}))
         return 0
     acc = "n/a (nothing scorable)" if result.accuracy is None else f"{result.accuracy:.4f}"
-    print(f"accuracy {acc}  ({result.correct} correct of {result.scorable} scorable samples; "
-          f"{result.unscorable} unscorable; {result.problems} problems x {result.samples_per_problem})")
+    print(
+        f"accuracy {acc}  ({result.correct} correct of {result.scorable} scorable samples; "
+        f"{result.unscorable} unscorable; {result.problems} problems x {result.samples_per_problem})"
+    )
     for k, value in result.pass_at_k.items():
         print(f"pass@{k} {value:.4f}  (over {result.problems_for_k[k]} problems)")
     for message in result.reward_errors:
@@ -163,9 +229,12 @@ def accuracy_run(args: argparse.Namespace) -> int:
 
 def em_f1_arguments(parser: argparse.ArgumentParser) -> None:
     _data_arguments(parser, "the reference: a string or a list of strings (default: answer)")
-    parser.add_argument("--extract", default=None,
-                        help="regex that pulls the answer out of the completion (last match; its group 'answer' "
-                             "or first group if any), e.g. 'Answer:\\s*(.*)'")
+    parser.add_argument(
+        "--extract",
+        default=None,
+        help="regex that pulls the answer out of the completion (last match; its group 'answer' "
+        "or first group if any), e.g. 'Answer:\\s*(.*)'",
+    )
     _generation_arguments(parser)
 
 
@@ -176,16 +245,25 @@ def em_f1_run(args: argparse.Namespace) -> int:
     sampling.validate()
     compile_extract(args.extract)
     data = _rows(args, None)
-    result = evaluate_em_f1(_engine(args, data.rows, sampling), data.rows, extract=args.extract, sampling=sampling,
-                            locations=data.locations, progress=True)
+    result = evaluate_em_f1(
+        _engine(args, data.rows, sampling),
+        data.rows,
+        extract=args.extract,
+        sampling=sampling,
+        locations=data.locations,
+        progress=True,
+    )
     _write_samples(args.samples, result.records)
     if args.json:
-        print(json.dumps({**_header(args, "em-f1", data.source, sampling), "extract": args.extract,
-                          **result.to_dict()}))
+        print(
+            json.dumps({**_header(args, "em-f1", data.source, sampling), "extract": args.extract, **result.to_dict()})
+        )
         return 0
     if result.exact_match is None:
         print(f"exact match n/a, F1 n/a: no sample has a reference ({result.unscorable} unscorable)")
     else:
-        print(f"exact match {result.exact_match:.4f}  F1 {result.f1:.4f}  ({result.scorable} scorable samples, "
-              f"{result.unscorable} without a reference, {result.no_match} without an --extract match)")
+        print(
+            f"exact match {result.exact_match:.4f}  F1 {result.f1:.4f}  ({result.scorable} scorable samples, "
+            f"{result.unscorable} without a reference, {result.no_match} without an --extract match)"
+        )
     return 0

@@ -22,8 +22,11 @@ from posttrain.errors import PosttrainError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    parser.add_argument("--prompts-file", type=Path, help="JSONL with a `prompt` (text or messages) or `messages` "
-                                                            "column, or a .txt file with one prompt a line")
+    parser.add_argument(
+        "--prompts-file",
+        type=Path,
+        help="JSONL with a `prompt` (text or messages) or `messages` column, or a .txt file with one prompt a line",
+    )
     parser.add_argument("--system", default=None, help="system message for chat prompts")
     parser.add_argument("--raw", action="store_true", help="send prompt text as-is, without the chat template")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
@@ -84,11 +87,22 @@ def run(args: argparse.Namespace) -> int:
     outputs = llm.generate(engine_prompts, params, use_tqdm=len(prompts) > 1)
     for prompt, out in zip(prompts, outputs):
         if args.json:
-            print(json.dumps({
-                "prompt": prompt,
-                "outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                             **({"logprobs": o.logprobs} if args.logprobs else {})} for o in out.outputs],
-            }))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "outputs": [
+                            {
+                                "text": o.text,
+                                "token_ids": o.token_ids,
+                                "finish_reason": o.finish_reason,
+                                **({"logprobs": o.logprobs} if args.logprobs else {}),
+                            }
+                            for o in out.outputs
+                        ],
+                    }
+                )
+            )
             continue
         for o in out.outputs:
             header = f"--- {prompt if isinstance(prompt, str) else json.dumps(prompt)}"

@@ -53,8 +53,9 @@ def model_info(cfg: ModelConfig, dtype_name: str, bytes_per_element: int, n_para
         moe = cfg.moe
         sparse = sum(moe.is_sparse(i) for i in range(cfg.num_hidden_layers))
         shared = f", shared expert {moe.shared_expert_intermediate_size}" if moe.shared_expert_intermediate_size else ""
-        info["experts"] = (f"{moe.num_experts_per_tok} of {moe.num_experts} per token ({moe.router}{shared}) "
-                           f"in {sparse} layers")
+        info["experts"] = (
+            f"{moe.num_experts_per_tok} of {moe.num_experts} per token ({moe.router}{shared}) in {sparse} layers"
+        )
         info["active_parameters"] = n_params - sparse * (moe.num_experts - moe.num_experts_per_tok) * (
             3 * cfg.hidden_size * moe.moe_intermediate_size
         )
@@ -80,8 +81,11 @@ def _human(n: float) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--config-only", action="store_true",
-                        help="read config.json only, no weights (dtype from --dtype, else the config's, else float32)")
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="read config.json only, no weights (dtype from --dtype, else the config's, else float32)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

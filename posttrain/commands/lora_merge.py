@@ -16,13 +16,21 @@ from posttrain.peft.peft_format import load_peft_adapter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"base model: HF directory, .gguf file or known name (default: {DEFAULT_MODEL})")
-    parser.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + "
-                                                          "adapter_model.safetensors)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"base model: HF directory, .gguf file or known name (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--adapter", required=True, help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)"
+    )
     add_out_arguments(parser)
-    parser.add_argument("--dtype", default=None, help="dtype of the saved weights: float32 | bfloat16 | float16 "
-                                                      "(default: float32; the merge itself is done in float32)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="dtype of the saved weights: float32 | bfloat16 | float16 "
+        "(default: float32; the merge itself is done in float32)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     load_peft_adapter(model, args.adapter)
     merge_and_unload(model)
     save_hf_dir(model, out, tokenizer=tokenizer, dtype=dtype)
-    print(f"wrote {out} ({model.config.model_type} + adapter {args.adapter}, merged, "
-          f"{str(dtype or model.dtype).removeprefix('torch.')})")
+    print(
+        f"wrote {out} ({model.config.model_type} + adapter {args.adapter}, merged, "
+        f"{str(dtype or model.dtype).removeprefix('torch.')})"
+    )
     return 0

@@ -16,9 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--scheme", required=True, help=f"one of: {', '.join(SCHEMES)}")
     add_out_arguments(parser)
-    parser.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
-                        help="rtn: round to nearest (default, no data); gptq: error-correcting rounding on "
-                             "calibration text (needs --calib-data)")
+    parser.add_argument(
+        "--method",
+        choices=("rtn", "gptq"),
+        default="rtn",
+        help="rtn: round to nearest (default, no data); gptq: error-correcting rounding on "
+        "calibration text (needs --calib-data)",
+    )
     gptq = parser.add_argument_group("GPTQ calibration (with --method gptq)")
     gptq.add_argument("--calib-data", help="dataset file (JSONL, JSON, Parquet) whose text calibrates the rounding")
     gptq.add_argument("--calib-column", default="text", help="its text column (default: text)")
@@ -26,11 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gptq.add_argument("--calib-samples", type=int, default=128, help="windows of text (default 128)")
     gptq.add_argument("--calib-seq-len", type=int, default=512, help="tokens per window (default 512)")
     gptq.add_argument("--damp", type=float, default=0.01, help="Hessian damping, fraction of its mean diagonal")
-    gptq.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
-                      help="round inputs in order of decreasing activation energy, grids fixed up front (default on)")
-    gptq.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=True,
-                      help="per group, the clipped range with the least activation-weighted rounding error "
-                           "(default on)")
+    gptq.add_argument(
+        "--act-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="round inputs in order of decreasing activation energy, grids fixed up front (default on)",
+    )
+    gptq.add_argument(
+        "--clip-search",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per group, the clipped range with the least activation-weighted rounding error (default on)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,8 +71,9 @@ def _calibration_texts(args: argparse.Namespace) -> list[str]:
     from posttrain.eval.perplexity import read_texts
 
     # enough rows to fill the windows (rows average well over 8 tokens), each kept whole
-    return read_texts(args.calib_data, args.calib_column, args.calib_skip,
-                      max(1, args.calib_samples * args.calib_seq_len // 8))
+    return read_texts(
+        args.calib_data, args.calib_column, args.calib_skip, max(1, args.calib_samples * args.calib_seq_len // 8)
+    )
 
 
 def _gptq(model, tokenizer, scheme, texts: list[str], args: argparse.Namespace) -> None:
@@ -70,5 +82,6 @@ def _gptq(model, tokenizer, scheme, texts: list[str], args: argparse.Namespace) 
     rows = tokenizer.encode_batch(texts, add_special_tokens=True)
     ids = calibration_batch(rows, args.calib_samples, args.calib_seq_len, tokenizer.eos_token_id)
     print(f"gptq: calibrating on {ids.shape[0]} windows of {ids.shape[1]} tokens from {args.calib_data}")
-    gptq_quantize_model(model, scheme, ids, damp=args.damp, act_order=args.act_order,
-                        clip_search=args.clip_search, progress=True)
+    gptq_quantize_model(
+        model, scheme, ids, damp=args.damp, act_order=args.act_order, clip_search=args.clip_search, progress=True
+    )

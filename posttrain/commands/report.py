@@ -7,8 +7,11 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
-    parser.add_argument("--out", default=None,
-                        help="write report.html and plots/ here instead of into RUN_DIR (e.g. for a read-only run)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write report.html and plots/ here instead of into RUN_DIR (e.g. for a read-only run)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

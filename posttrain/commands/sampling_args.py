@@ -23,8 +23,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature:
 
 def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
     fields = dict(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, stop=args.stop, seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        seed=args.seed,
     )
     fields.update(overrides)
     try:

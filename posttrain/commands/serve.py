@@ -13,20 +13,34 @@ from posttrain.errors import PosttrainError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: --model)")
-    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                        help="also serve a PEFT LoRA adapter as model NAME (repeatable)")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve a PEFT LoRA adapter as model NAME (repeatable)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="0-65535; 0 picks a free port (default: 8000)")
-    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help="require `Authorization: Bearer KEY` on every route but /health (repeatable or "
-                             "comma-separated; default: $POSTTRAIN_API_KEY, else no key)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default: 4 MiB)")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every route but /health (repeatable or "
+        "comma-separated; default: $POSTTRAIN_API_KEY, else no key)",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default: 4 MiB)"
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--block-size", type=int, default=None)
-    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (split between served models)")
+    engine.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (split between served models)"
+    )
     engine.add_argument("--kv-cache-bytes", type=int, default=None)
     engine.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
@@ -35,9 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace):
     from posttrain.engine.config import EngineConfig
 
-    fields = {name: getattr(args, name) for name in (
-        "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-        "kv_cache_bytes", "kv_cache_memory_fraction") if getattr(args, name) is not None}
+    fields = {
+        name: getattr(args, name)
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_kv_blocks",
+            "kv_cache_bytes",
+            "kv_cache_memory_fraction",
+        )
+        if getattr(args, name) is not None
+    }
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False
     if "max_num_seqs" in fields and "max_num_batched_tokens" not in fields:
@@ -65,11 +89,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         port = bind.bound_port(sock)
         if not api_keys and not bind.is_loopback(sock):
-            print(f"warning: serving on {args.host}:{port} without an API key: anyone who can reach this address "
-                  f"can use the server; set --api-key or {ENV_VAR}", file=sys.stderr, flush=True)
-        async_engine, tokenizer = load_served_models(args.model, loras, engine_config(args),
-                                                     served_model_name=args.served_model_name,
-                                                     dtype=args.dtype, device=args.device)
+            print(
+                f"warning: serving on {args.host}:{port} without an API key: anyone who can reach this address "
+                f"can use the server; set --api-key or {ENV_VAR}",
+                file=sys.stderr,
+                flush=True,
+            )
+        async_engine, tokenizer = load_served_models(
+            args.model,
+            loras,
+            engine_config(args),
+            served_model_name=args.served_model_name,
+            dtype=args.dtype,
+            device=args.device,
+        )
         app = build_app(async_engine, tokenizer, max_body_bytes=args.max_body_bytes, api_keys=api_keys)
         bind.listen(sock, args.host)
         guard = f" ({len(api_keys)} API key{'s' if len(api_keys) > 1 else ''})" if api_keys else ""

@@ -18,7 +18,6 @@ from typing import Any
 from posttrain.data.readers import utf8_error
 from posttrain.errors import PosttrainError
 
-
 # A problem is (column, reason): the column counts characters from 1, as the dataset readers' `file:line:column`.
 Problem = tuple[int, str]
 

@@ -11,7 +11,22 @@ from posttrain.data.tokenize import TokenizedRow, tokenize_sft
 from posttrain.data.validate import BadRowLog, DataError, RowError
 
 __all__ = [
-    "FORMATS", "BadRowLog", "Batch", "DataConfig", "DataError", "PackedRow", "RowError", "TokenizedRow",
-    "build_sft_rows", "collate", "detect_format", "pack_best_fit", "read_examples", "read_json_rows", "read_rows",
-    "row_location", "split_holdout", "tokenize_sft",
+    "FORMATS",
+    "BadRowLog",
+    "Batch",
+    "DataConfig",
+    "DataError",
+    "PackedRow",
+    "RowError",
+    "TokenizedRow",
+    "build_sft_rows",
+    "collate",
+    "detect_format",
+    "pack_best_fit",
+    "read_examples",
+    "read_json_rows",
+    "read_rows",
+    "row_location",
+    "split_holdout",
+    "tokenize_sft",
 ]

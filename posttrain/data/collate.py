@@ -33,8 +33,13 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return replace(self, input_ids=move(self.input_ids), targets=move(self.targets),
-                       attention_mask=move(self.attention_mask), segment_ids=move(self.segment_ids))
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            targets=move(self.targets),
+            attention_mask=move(self.attention_mask),
+            segment_ids=move(self.segment_ids),
+        )
 
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Transformer.hidden_states` besides the ids (see the module docstring)."""
@@ -52,9 +57,7 @@ def shifted_targets(labels: Sequence[int], seq_lengths: Sequence[int]) -> list[i
     return targets
 
 
-def collate(
-    rows: Sequence[TokenizedRow | PackedRow], pad_token_id: int, pad_to_multiple_of: int = 1
-) -> Batch:
+def collate(rows: Sequence[TokenizedRow | PackedRow], pad_token_id: int, pad_to_multiple_of: int = 1) -> Batch:
     """Right-pad `rows` to the longest (rounded up to `pad_to_multiple_of`). Packed rows get segment ids."""
     if not rows:
         raise ValueError("cannot collate an empty batch")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from posttrain.data.validate import (
     RowError,
@@ -33,7 +33,7 @@ from posttrain.data.validate import (
 )
 
 Message = dict[str, Any]
-Turns = Union[str, list[Message]]  # a plain string, or chat messages
+Turns = str | list[Message]  # a plain string, or chat messages
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class UnpairedPreference:
     label: bool  # True: a desirable completion
 
 
-Example = Union[PromptCompletion, Conversation, Text, Preference, UnpairedPreference]
+Example = PromptCompletion | Conversation | Text | Preference | UnpairedPreference
 
 
 def is_conversational(turns: Turns) -> bool:
@@ -86,13 +86,17 @@ def _prompt_and_completion(row: Mapping[str, Any], completion_field: str) -> tup
     if isinstance(prompt, str):
         check_text(prompt, "prompt")
         if not isinstance(completion, str):
-            raise RowError(f"prompt is a string but {completion_field!r} is {type(completion).__name__}; "
-                           "use strings for both or message lists for both")
+            raise RowError(
+                f"prompt is a string but {completion_field!r} is {type(completion).__name__}; "
+                "use strings for both or message lists for both"
+            )
         return prompt, check_text(completion, completion_field, allow_empty=False)
     prompt_messages = check_messages(prompt, "prompt")
     if isinstance(completion, str):
-        raise RowError(f"prompt is a message list but {completion_field!r} is a string; "
-                       "use strings for both or message lists for both")
+        raise RowError(
+            f"prompt is a message list but {completion_field!r} is a string; "
+            "use strings for both or message lists for both"
+        )
     completion_messages = check_messages(completion, completion_field)
     check_completion_messages(completion_messages, completion_field)
     check_turn_order(prompt_messages + completion_messages, f"prompt+{completion_field}")
@@ -191,7 +195,7 @@ _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 
 def parse_hh_transcript(text: str, field: str) -> list[Message]:
-    """"\\n\\nHuman: hi\\n\\nAssistant: hello" -> [{"role": "user", ...}, {"role": "assistant", ...}].
+    """ "\\n\\nHuman: hi\\n\\nAssistant: hello" -> [{"role": "user", ...}, {"role": "assistant", ...}].
 
     A turn starts at "\\n\\nHuman:" / "\\n\\nAssistant:" (or at the very start of the text); its content
     runs to the next turn marker, stripped of surrounding whitespace. The turns must alternate.
@@ -201,9 +205,7 @@ def parse_hh_transcript(text: str, field: str) -> list[Message]:
         raise RowError(f"{field}: text before the first 'Human:' turn: {pieces[0][:40]!r}")
     if len(pieces) < 3:
         raise RowError(f"{field}: no 'Human:' / 'Assistant:' turns found")
-    messages = [
-        {"role": _HH_ROLES[pieces[i]], "content": pieces[i + 1].strip()} for i in range(1, len(pieces), 2)
-    ]
+    messages = [{"role": _HH_ROLES[pieces[i]], "content": pieces[i + 1].strip()} for i in range(1, len(pieces), 2)]
     check_turn_order(messages, field)
     return messages
 

@@ -56,18 +56,29 @@ def tokenize_pair_for_policy(tokenizer: Any, example: Preference, cfg: DataConfi
     return PairRow(*rows)
 
 
-def _read_pairs(cfg: DataConfig, tokenizer: Any, tokenize: TokenizePair, path: str | Path) -> tuple[list[PairRow], dict[str, Any]]:
+def _read_pairs(
+    cfg: DataConfig, tokenizer: Any, tokenize: TokenizePair, path: str | Path
+) -> tuple[list[PairRow], dict[str, Any]]:
     loaded = read_examples(cfg, path)
     if loaded.format not in PAIR_FORMATS:
-        raise DataError(f"{loaded.source}: rows are {loaded.format!r}, but this trainer needs preference pairs "
-                        f"(one of {', '.join(PAIR_FORMATS)}: fields prompt/chosen/rejected, or chosen/rejected)")
+        raise DataError(
+            f"{loaded.source}: rows are {loaded.format!r}, but this trainer needs preference pairs "
+            f"(one of {', '.join(PAIR_FORMATS)}: fields prompt/chosen/rejected, or chosen/rejected)"
+        )
     pairs = loaded.convert_all(lambda example: tokenize(tokenizer, example, cfg), cfg.max_bad_row_fraction)  # type: ignore[arg-type]
-    report = {"path": str(path), "format": loaded.format, "rows_read": loaded.rows_read, "pairs_kept": len(pairs),
-              "bad_rows": [vars(b) for b in loaded.bad.rows]}
+    report = {
+        "path": str(path),
+        "format": loaded.format,
+        "rows_read": loaded.rows_read,
+        "pairs_kept": len(pairs),
+        "bad_rows": [vars(b) for b in loaded.bad.rows],
+    }
     return pairs, report
 
 
-def load_pairs(cfg: DataConfig, tokenizer: Any, seed: int, tokenize: TokenizePair = tokenize_pair_for_policy) -> PairData:
+def load_pairs(
+    cfg: DataConfig, tokenizer: Any, seed: int, tokenize: TokenizePair = tokenize_pair_for_policy
+) -> PairData:
     """Train and held-out pairs: `cfg.eval_path`, or a seeded `cfg.eval_fraction` of `cfg.path`, or none."""
     pairs, report = _read_pairs(cfg, tokenizer, tokenize, cfg.path)
     train, held = split_holdout(pairs, cfg.eval_fraction, seed)

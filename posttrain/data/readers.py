@@ -100,8 +100,10 @@ def _read_json(path: Path, on_error: OnError | None) -> Iterator[tuple[int, Row]
             yield from _read_json_array(path, b"".join(lines) + f.read())
             return
         if first == b"{":
-            raise DataError(f"{path}: one JSON object spread over many lines; expected JSON Lines "
-                            "(one object per line) or a JSON array of objects")
+            raise DataError(
+                f"{path}: one JSON object spread over many lines; expected JSON Lines "
+                "(one object per line) or a JSON array of objects"
+            )
         number = 0
         line = lines.pop(0)
         while line:
@@ -171,8 +173,9 @@ def _read_json_array(path: Path, data: bytes) -> Iterator[tuple[int, Row]]:
     except UnicodeDecodeError as e:
         before = data[: e.start].decode("utf-8")  # the bytes before the bad one decode
         line, column = _position(before, len(before))
-        raise DataError(f"{path}:{line}:{column}: invalid UTF-8 (byte {data[e.start]:#04x}) "
-                        "in a JSON array file") from None
+        raise DataError(
+            f"{path}:{line}:{column}: invalid UTF-8 (byte {data[e.start]:#04x}) in a JSON array file"
+        ) from None
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
     line, counted_to = 1, 0
@@ -260,8 +263,11 @@ def _read_arrow_files(files: list[Path]) -> Iterator[tuple[int, Row]]:
                 reader = pa.ipc.open_stream(source)
             except pa.ArrowInvalid:
                 reader = pa.ipc.open_file(source)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-                if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+            batches = (
+                (reader.get_batch(i) for i in range(reader.num_record_batches))
+                if isinstance(reader, pa.ipc.RecordBatchFileReader)
+                else reader
+            )
             for batch in batches:
                 for row in batch.to_pylist():
                     number += 1

@@ -9,5 +9,13 @@ from posttrain.distributed.config import DistSection
 from posttrain.distributed.env import DistContext, all_reduce_count, barrier, init_distributed, is_main, reduce_metrics
 from posttrain.distributed.parallel import Parallel
 
-__all__ = ["DistContext", "DistSection", "Parallel", "all_reduce_count", "barrier", "init_distributed", "is_main",
-           "reduce_metrics"]
+__all__ = [
+    "DistContext",
+    "DistSection",
+    "Parallel",
+    "all_reduce_count",
+    "barrier",
+    "init_distributed",
+    "is_main",
+    "reduce_metrics",
+]

@@ -44,8 +44,9 @@ def _named(model: nn.Module, beside: dict[str, nn.Module] | None) -> nn.Module:
     return _Beside(model, beside) if beside else model
 
 
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path,
-                 beside: dict[str, nn.Module] | None = None) -> None:
+def save_sharded(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, beside: dict[str, nn.Module] | None = None
+) -> None:
     """Write `model`'s (and the `beside` modules') parameters and `optimizer`'s state (by parameter name) as DCP
     shards into `path`."""
     named = _named(model, beside)
@@ -53,8 +54,9 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str |
     dcp.save(state, checkpoint_id=str(path))
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path,
-                 beside: dict[str, nn.Module] | None = None) -> None:
+def load_sharded(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, beside: dict[str, nn.Module] | None = None
+) -> None:
     """Load what `save_sharded` wrote into the live model, `beside` modules and optimizer (same Parameters,
     resharded to this run's layout)."""
     named = _named(model, beside)

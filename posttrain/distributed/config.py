@@ -34,10 +34,15 @@ class DistSection:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.strategy != "fsdp2" and not self.reshard_after_forward:
-            raise ValueError(f"reshard_after_forward=false applies to strategy fsdp2 only (strategy is {self.strategy})")
+            raise ValueError(
+                f"reshard_after_forward=false applies to strategy fsdp2 only (strategy is {self.strategy})"
+            )
         if self.rollout_weights not in ROLLOUT_WEIGHTS:
-            raise ValueError(f"rollout_weights must be one of {', '.join(ROLLOUT_WEIGHTS)}, "
-                             f"got {self.rollout_weights!r}")
+            raise ValueError(
+                f"rollout_weights must be one of {', '.join(ROLLOUT_WEIGHTS)}, got {self.rollout_weights!r}"
+            )
         if self.rollout_weights == "per_layer" and self.strategy != "fsdp2":
-            raise ValueError(f"rollout_weights=per_layer gathers FSDP2's sharded layers and applies to strategy fsdp2 "
-                             f"only (strategy is {self.strategy}, whose ranks hold whole weights)")
+            raise ValueError(
+                f"rollout_weights=per_layer gathers FSDP2's sharded layers and applies to strategy fsdp2 "
+                f"only (strategy is {self.strategy}, whose ranks hold whole weights)"
+            )

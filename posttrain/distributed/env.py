@@ -43,13 +43,17 @@ def init_distributed(strategy: str, device_type: str) -> DistContext:
     strategy none. Idempotent: a second call (a second trainer in one process) reuses the group."""
     if strategy == "none":
         if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ConfigError(f"dist.strategy=none, but torchrun started {os.environ['WORLD_SIZE']} processes: "
-                              "set dist.strategy=ddp or dist.strategy=fsdp2")
+            raise ConfigError(
+                f"dist.strategy=none, but torchrun started {os.environ['WORLD_SIZE']} processes: "
+                "set dist.strategy=ddp or dist.strategy=fsdp2"
+            )
         return DistContext()
     if not launched_by_torchrun():
         missing = [name for name in TORCHRUN_VARS if name not in os.environ]
-        raise ConfigError(f"dist.strategy={strategy} needs the torchrun environment ({', '.join(missing)} not set): "
-                          "launch with `torchrun --nproc-per-node N -m posttrain <command> ...` or add `--nproc N`")
+        raise ConfigError(
+            f"dist.strategy={strategy} needs the torchrun environment ({', '.join(missing)} not set): "
+            "launch with `torchrun --nproc-per-node N -m posttrain <command> ...` or add `--nproc N`"
+        )
     ctx = DistContext(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
@@ -78,7 +82,9 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def reduce_metrics(metrics: dict[str, Any], sum_keys: set[str] | frozenset[str], device: torch.device) -> dict[str, Any]:
+def reduce_metrics(
+    metrics: dict[str, Any], sum_keys: set[str] | frozenset[str], device: torch.device
+) -> dict[str, Any]:
     """Metrics of the whole step from each rank's share: keys in `sum_keys` summed over the ranks (token
     counts, each rank's part of a globally-normalised loss), every other numeric key averaged over the ranks
     that have it (values that are the same on every rank, such as the gradient norm after the reduction, stay
@@ -93,8 +99,9 @@ def reduce_metrics(metrics: dict[str, Any], sum_keys: set[str] | frozenset[str],
     if not keys:
         return dict(metrics)
     # (2, K): row 0 the values (0 where this rank has none), row 1 how many ranks contributed.
-    table = torch.tensor([[numeric.get(k, 0.0) for k in keys], [float(k in numeric) for k in keys]],
-                         dtype=torch.float64, device=device)
+    table = torch.tensor(
+        [[numeric.get(k, 0.0) for k in keys], [float(k in numeric) for k in keys]], dtype=torch.float64, device=device
+    )
     dist.all_reduce(table)
     totals, counts = table.tolist()
     reduced = {k: total if k in sum_keys else total / count for k, total, count in zip(keys, totals, counts)}

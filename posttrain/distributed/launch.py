@@ -46,8 +46,16 @@ def split_nproc(argv: Sequence[str]) -> tuple[int | None, list[str]]:
 
 
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "posttrain", *without_nproc(argv)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "posttrain",
+        *without_nproc(argv),
+    ]
 
 
 def relaunch(nproc: int, argv: Sequence[str]) -> int:

@@ -71,8 +71,15 @@ class Parallel:
     """The model as the strategy spreads it over the ranks; `model` stays the real `Transformer` (whose
     parameters are DTensor shards under fsdp2), `run` calls through the wrapper."""
 
-    def __init__(self, model: nn.Module, section: DistSection, ctx: DistContext, *,
-                 beside: dict[str, nn.Module] | None = None, unused_parameters: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        section: DistSection,
+        ctx: DistContext,
+        *,
+        beside: dict[str, nn.Module] | None = None,
+        unused_parameters: bool = False,
+    ) -> None:
         """`beside`: modules trained next to the model, whose gradients are reduced with it (ddp: in DDP's buckets;
         fsdp2: sharded by the root group, beside the embeddings). `unused_parameters`: some trainable parameters
         get no gradient in a step (DDP must look for them)."""
@@ -93,21 +100,28 @@ class Parallel:
 
             # device_ids=None: the inputs are already on the rank's device; buffers (rotary tables) are
             # computed, not trained, so they need no broadcast before every forward.
-            self.wrapped = DistributedDataParallel(_Call(model, beside), device_ids=None, forward_sync_buffers=False,
-                                                   find_unused_parameters=unused_parameters)
+            self.wrapped = DistributedDataParallel(
+                _Call(model, beside),
+                device_ids=None,
+                forward_sync_buffers=False,
+                find_unused_parameters=unused_parameters,
+            )
         elif self.strategy == "fsdp2":
             self.wrapped = self._fully_shard(model, beside)
             self.autocast = False  # FSDP2's own MixedPrecisionPolicy casts the gathered parameters
 
     def _mixed_precision_usable(self, model: nn.Module, device: torch.device) -> bool:
         if device.type != "cuda":
-            logger.warning("dist.mixed_precision=true needs CUDA devices (bf16 compute); on %s the run stays fp32",
-                           device.type)
+            logger.warning(
+                "dist.mixed_precision=true needs CUDA devices (bf16 compute); on %s the run stays fp32", device.type
+            )
             return False
         dtype = next(model.parameters()).dtype
         if dtype != torch.float32:
-            raise ConfigError(f"dist.mixed_precision=true keeps fp32 master weights, but the model loaded as {dtype}: "
-                              "set model.dtype=float32")
+            raise ConfigError(
+                f"dist.mixed_precision=true keeps fp32 master weights, but the model loaded as {dtype}: "
+                "set model.dtype=float32"
+            )
         return True
 
     def _fully_shard(self, model: nn.Module, beside: dict[str, nn.Module] | None) -> nn.Module:
@@ -249,8 +263,9 @@ class Parallel:
     def check_divides(self, key: str, value: int) -> None:
         """Every rank must get the same number of rows per micro-batch (FSDP2 gathers in lockstep)."""
         if value % self.ctx.world_size:
-            raise ConfigError(f"{key}={value} is the global batch; it must divide evenly over the "
-                              f"{self.ctx.world_size} processes")
+            raise ConfigError(
+                f"{key}={value} is the global batch; it must divide evenly over the {self.ctx.world_size} processes"
+            )
 
 
 def run_module(parallel: Parallel | None, module: nn.Module, fn: Callable[..., T], *args: Any) -> T:

@@ -59,7 +59,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
+        if (
+            isinstance(self.watermark, bool)
+            or not isinstance(self.watermark, (int, float))
+            or not 0 <= self.watermark < 1
+        ):
             raise EngineConfigError(f"watermark={self.watermark!r}: must be in [0, 1)")
         for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator", "pack_cpu_weights"):
             if not isinstance(getattr(self, name), bool):

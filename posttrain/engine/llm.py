@@ -1,9 +1,9 @@
 """LLM: the offline face of the engine. Prompts (text, chat messages or token ids) in, completions out.
 
-    llm = LLM(model="smollm2-135m")                      # load by name / path
-    llm = LLM(model=module, tokenizer=tok)               # or wrap the live module a trainer is updating
-    outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=128, logprobs=True))
-    for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)): print(delta.text, end="")
+llm = LLM(model="smollm2-135m")                      # load by name / path
+llm = LLM(model=module, tokenizer=tok)               # or wrap the live module a trainer is updating
+outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=128, logprobs=True))
+for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)): print(delta.text, end="")
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -22,7 +22,7 @@ from posttrain.engine.sampling_params import SamplingParams
 from posttrain.errors import PosttrainError
 
 ChatMessages = Sequence[dict[str, Any]]
-Prompt = Union[str, ChatMessages, Sequence[int]]
+Prompt = str | ChatMessages | Sequence[int]
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta"]
 
@@ -73,7 +73,9 @@ class LLM:
             return None, list(prompt)
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
             return None, prompt.tolist()
-        raise PosttrainError(f"a prompt must be a string, a list of chat messages or a list of token ids; got {prompt!r:.80}")
+        raise PosttrainError(
+            f"a prompt must be a string, a list of chat messages or a list of token ids; got {prompt!r:.80}"
+        )
 
     def _need_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
@@ -161,13 +163,13 @@ class LLM:
                         if done[out.index] or (not out.token_ids and not out.finished):
                             continue
                         visible = len(out.text) if out.finished else safe_text_len(out.text, params.stop)
-                        new_ids = out.token_ids[sent_tokens[out.index]:]
+                        new_ids = out.token_ids[sent_tokens[out.index] :]
                         delta = StreamDelta(
                             request_id=request_id,
                             index=out.index,
-                            text=out.text[sent_text[out.index]:visible],
+                            text=out.text[sent_text[out.index] : visible],
                             token_ids=new_ids,
-                            logprobs=out.logprobs[sent_tokens[out.index]:] if out.logprobs is not None else None,
+                            logprobs=out.logprobs[sent_tokens[out.index] :] if out.logprobs is not None else None,
                             finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason,
                             policy_version=out.policy_version,

@@ -82,8 +82,10 @@ class LLMEngine:
         needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never useful
         num_blocks = min(num_blocks, needed)
         if num_blocks < 1:
-            raise PosttrainError(f"KV cache budget of {budget} bytes holds no {cfg.block_size}-token block "
-                                 f"({block_bytes} bytes); raise kv_cache_bytes or kv_cache_memory_fraction")
+            raise PosttrainError(
+                f"KV cache budget of {budget} bytes holds no {cfg.block_size}-token block "
+                f"({block_bytes} bytes); raise kv_cache_bytes or kv_cache_memory_fraction"
+            )
         return num_blocks
 
     def _eos_token_ids(self) -> set[int]:
@@ -116,7 +118,8 @@ class LLMEngine:
         request.detokenizers = [None] * params.n
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = seq.prompt_logprobs = PromptLogprobs(
-                len(prompt_token_ids), params.prompt_logprobs, params.prompt_logprobs_from, params.prompt_logprob_ranks)
+                len(prompt_token_ids), params.prompt_logprobs, params.prompt_logprobs_from, params.prompt_logprob_ranks
+            )
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
@@ -127,22 +130,31 @@ class LLMEngine:
         if request_id in self.requests:
             raise PosttrainError(f"request_id {request_id!r} is already in use by an unfinished request")
         if not isinstance(params, SamplingParams):
-            raise PosttrainError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
+            raise PosttrainError(
+                f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}"
+            )
         n_tokens = len(prompt_token_ids)
         if n_tokens == 0:
             raise PosttrainError(f"request {request_id!r}: the prompt is empty")
         vocab = self.model.config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        bad = next(
+            (t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None
+        )
         if bad is not None:
             raise PosttrainError(f"request {request_id!r}: prompt token id {bad!r} is not in [0, {vocab})")
         if params.max_tokens == 0 and n_tokens > self.max_model_len:  # prefill only: the prompt may fill it
-            raise PosttrainError(f"request {request_id!r}: prompt of {n_tokens} tokens is longer than "
-                                 f"max_model_len={self.max_model_len}")
+            raise PosttrainError(
+                f"request {request_id!r}: prompt of {n_tokens} tokens is longer than max_model_len={self.max_model_len}"
+            )
         if params.max_tokens != 0 and n_tokens >= self.max_model_len:
-            raise PosttrainError(f"request {request_id!r}: prompt of {n_tokens} tokens leaves no room to generate "
-                                 f"within max_model_len={self.max_model_len}")
+            raise PosttrainError(
+                f"request {request_id!r}: prompt of {n_tokens} tokens leaves no room to generate "
+                f"within max_model_len={self.max_model_len}"
+            )
         if params.n > self.config.max_num_seqs:
-            raise PosttrainError(f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise PosttrainError(
+                f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}"
+            )
         if params.stop and self.tokenizer is None:
             raise PosttrainError(f"request {request_id!r}: stop strings need a tokenizer (the engine has none)")
         new_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
@@ -152,7 +164,8 @@ class LLMEngine:
             raise PosttrainError(
                 f"request {request_id!r} can never fit: one sample needs up to {blocks} KV blocks "
                 f"({n_tokens} prompt + {longest - n_tokens} new tokens) but the pool has {self.num_blocks}; "
-                f"give the engine more KV memory (num_kv_blocks / kv_cache_bytes) or lower max_tokens")
+                f"give the engine more KV memory (num_kv_blocks / kv_cache_bytes) or lower max_tokens"
+            )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
@@ -336,22 +349,30 @@ class LLMEngine:
             else:
                 detok = request.detokenizers[index]
                 text = detok.text if detok is not None else ""
-            outputs.append(CompletionOutput(
-                index=index,
-                text=text,
-                token_ids=seq.output_token_ids,
-                logprobs=list(seq.output_logprobs) if want_logprobs else None,
-                top_logprobs=list(seq.output_top_logprobs) if request.params.num_top_logprobs else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                policy_version=seq.policy_version,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=seq.output_token_ids,
+                    logprobs=list(seq.output_logprobs) if want_logprobs else None,
+                    top_logprobs=list(seq.output_top_logprobs) if request.params.num_top_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    policy_version=seq.policy_version,
+                )
+            )
         prompt_logprobs = request.prompt_logprobs
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             finished=request.finished, num_cached_tokens=request.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs.entries() if prompt_logprobs else None,
-                             prompt_top_logprobs=prompt_logprobs.top_entries() if prompt_logprobs else None,
-                             prompt_logprob_ranks=prompt_logprobs.rank_entries() if prompt_logprobs else None)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            finished=request.finished,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs.entries() if prompt_logprobs else None,
+            prompt_top_logprobs=prompt_logprobs.top_entries() if prompt_logprobs else None,
+            prompt_logprob_ranks=prompt_logprobs.rank_entries() if prompt_logprobs else None,
+        )
 
     # ---- weights and memory ---------------------------------------------------------------------------
 

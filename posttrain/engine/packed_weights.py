@@ -77,8 +77,12 @@ class PackedWeights:
         if entry is None or entry.weight() is not weight:
             self._entries[id(weight)] = _Entry(weakref.ref(weight), rows, -1, 0, None)
             return None
-        current = entry.packed is not None and entry.rows == rows and entry.version == weight._version \
+        current = (
+            entry.packed is not None
+            and entry.rows == rows
+            and entry.version == weight._version
             and entry.data_ptr == weight.data_ptr()
+        )
         if not current:
             if entry.rows != rows:  # a new M: pack only if the next call brings the same M again
                 entry.rows, entry.packed = rows, None
@@ -94,8 +98,14 @@ def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """fp32 CPU operands without autograd, a contiguous 2-D weight and a 1-D bias or none."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2 or x.requires_grad:
         return False
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 \
-            or not weight.is_contiguous() or weight.requires_grad and torch.is_grad_enabled():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or weight.dim() != 2
+        or not weight.is_contiguous()
+        or weight.requires_grad
+        and torch.is_grad_enabled()
+    ):
         return False
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):  # subclasses (quantized, DTensor) keep their op
         return False

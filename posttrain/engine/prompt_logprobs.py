@@ -93,7 +93,11 @@ class PromptLogprobs:
 
 @torch.inference_mode()
 def token_logprobs_and_top(
-    model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, num_top: int, with_ranks: bool = False,
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    num_top: int,
+    with_ranks: bool = False,
     chunk: int = LOGIT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """log_softmax(model.logits(hidden))[targets], the targets' ranks if asked for (1 + the number of tokens
@@ -116,16 +120,23 @@ def token_logprobs_and_top(
         if ranks is not None:
             for sub in range(0, logits.shape[0], RANK_CHUNK):
                 part = slice(sub, sub + RANK_CHUNK)
-                ranks[start + sub:start + sub + RANK_CHUNK] = torch.count_nonzero(
-                    logits[part] > target_logits[part], dim=-1) + 1
+                ranks[start + sub : start + sub + RANK_CHUNK] = (
+                    torch.count_nonzero(logits[part] > target_logits[part], dim=-1) + 1
+                )
         if k:
             values, ids = logits.topk(k, dim=-1)  # (c, k): the logit order is the log-softmax order
             top_values[rows], top_ids[rows] = values - lse, ids
     return logprobs, ranks, top_values, top_ids
 
 
-def split_by_sequence(logprobs: torch.Tensor, ranks: torch.Tensor | None, top_values: torch.Tensor,
-                      top_ids: torch.Tensor, counts: list[int], num_tops: list[int]) -> list[PromptLogprobChunk | None]:
+def split_by_sequence(
+    logprobs: torch.Tensor,
+    ranks: torch.Tensor | None,
+    top_values: torch.Tensor,
+    top_ids: torch.Tensor,
+    counts: list[int],
+    num_tops: list[int],
+) -> list[PromptLogprobChunk | None]:
     """Cut the flat results of a step into one chunk per sequence of the batch (None where it has no
     rows). counts[i] rows belong to sequence i, which keeps its own num_tops[i] alternatives."""
     values, rank_values = logprobs.tolist(), ranks.tolist() if ranks is not None else None
@@ -136,8 +147,8 @@ def split_by_sequence(logprobs: torch.Tensor, ranks: torch.Tensor | None, top_va
         if not count:
             chunks.append(None)
             continue
-        top = [list(zip(ids[:k], vals[:k])) for ids, vals in tops[at:at + count]] if k else None
-        chunk_ranks = rank_values[at:at + count] if rank_values is not None else None
-        chunks.append(PromptLogprobChunk(values[at:at + count], chunk_ranks, top))
+        top = [list(zip(ids[:k], vals[:k])) for ids, vals in tops[at : at + count]] if k else None
+        chunk_ranks = rank_values[at : at + count] if rank_values is not None else None
+        chunks.append(PromptLogprobChunk(values[at : at + count], chunk_ranks, top))
         at += count
     return chunks

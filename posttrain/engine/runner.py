@@ -24,7 +24,6 @@ from posttrain.errors import PosttrainError
 from posttrain.models.attention import PagedAttentionMetadata
 from posttrain.models.cpu_kernels.fused import fused_scope
 
-
 NO_POSITIONS = range(0)
 
 
@@ -73,8 +72,10 @@ class ModelRunner:
             if (model.config.rope_scaling or {}).get("rope_type") == "dynamic":
                 raise PosttrainError("cuda_graphs=True does not support dynamic rope scaling (it syncs on positions)")
             if model.config.moe is not None:
-                raise PosttrainError("cuda_graphs=True does not support mixture-of-experts models (routing syncs on "
-                                     "the number of tokens per expert)")
+                raise PosttrainError(
+                    "cuda_graphs=True does not support mixture-of-experts models (routing syncs on "
+                    "the number of tokens per expert)"
+                )
         self.allocate_kv_cache()
         # MKL-packed weights for the CPU fp32 forward (posttrain/engine/packed_weights.py); None: plain F.linear.
         self.packed_weights = packed_weights.PackedWeights() if self._packs_weights() else None
@@ -117,8 +118,14 @@ class ModelRunner:
             self.kv_caches = [self._zeroed_cache(shape) for _ in range(cfg.num_hidden_layers)]
         if self.config.cuda_graphs:
             max_blocks = -(-self.model_max_len // self.block_size)
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_blocks,
-                                       scratch_block=self.num_blocks, block_size=self.block_size)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.config.max_num_seqs,
+                max_blocks,
+                scratch_block=self.num_blocks,
+                block_size=self.block_size,
+            )
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -135,8 +142,14 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Forget captured graphs (they hold the addresses of the parameters); recaptured when next needed."""
         if self.graphs is not None:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.graphs.max_seqs, self.graphs.max_blocks,
-                                       self.graphs.scratch_block, self.block_size)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.graphs.max_seqs,
+                self.graphs.max_blocks,
+                self.graphs.scratch_block,
+                self.block_size,
+            )
 
     @property
     def model_max_len(self) -> int:
@@ -166,7 +179,9 @@ class ModelRunner:
             start = seq.num_cached_tokens
             end = start + num_new
             table = seq.block_table
-            wanted = NO_POSITIONS if seq.prompt_logprobs is None else seq.prompt_logprobs.positions_to_compute(start, end)
+            wanted = (
+                NO_POSITIONS if seq.prompt_logprobs is None else seq.prompt_logprobs.positions_to_compute(start, end)
+            )
             prompt_positions.append(wanted)
             if wanted:  # their rows: this sequence's rows start at len(input_ids), for position `start`
                 prompt_rows.extend(range(len(input_ids) + wanted.start - start, len(input_ids) + wanted.stop - start))
@@ -201,8 +216,9 @@ class ModelRunner:
             targets = [seq.token_ids[p + 1] for seq, wanted in zip(batch.seqs, prompt_positions) for p in wanted]
             num_tops = [0 if seq.prompt_logprobs is None else seq.prompt_logprobs.num_top for seq in batch.seqs]
             with_ranks = any(seq.prompt_logprobs is not None and seq.prompt_logprobs.with_ranks for seq in batch.seqs)
-            prompt = PromptRows(as_tensor(prompt_rows), as_tensor(targets), [len(w) for w in prompt_positions], num_tops,
-                                with_ranks)
+            prompt = PromptRows(
+                as_tensor(prompt_rows), as_tensor(targets), [len(w) for w in prompt_positions], num_tops, with_ranks
+            )
         return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(sample_index), prompt)
 
     @torch.inference_mode()
@@ -217,8 +233,9 @@ class ModelRunner:
                 hidden = self.graphs.run(inputs)  # (N, d)
             else:
                 with fused_scope():  # fused elementwise ops on CPU (posttrain.models.cpu_kernels.fused)
-                    hidden = self.model.hidden_states(inputs.input_ids, positions=inputs.positions,
-                                                      attn_meta=inputs.meta)  # (N, d)
+                    hidden = self.model.hidden_states(
+                        inputs.input_ids, positions=inputs.positions, attn_meta=inputs.meta
+                    )  # (N, d)
             if inputs.sample_index.numel() == 0:
                 logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
             else:
@@ -230,13 +247,15 @@ class ModelRunner:
         if self.packed_weights is not None:
             self.packed_weights.clear()
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows | None, num_seqs: int
-                         ) -> list[PromptLogprobChunk | None]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: PromptRows | None, num_seqs: int
+    ) -> list[PromptLogprobChunk | None]:
         """Project only the rows that give prompt logprobs, in bounded chunks. hidden (N, d)."""
         if rows is None:
             return [None] * num_seqs
         logprobs, ranks, top_values, top_ids = token_logprobs_and_top(
-            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops), rows.with_ranks)
+            self.model, hidden.index_select(0, rows.index), rows.targets, max(rows.num_tops), rows.with_ranks
+        )
         return split_by_sequence(logprobs, ranks, top_values, top_ids, rows.counts, rows.num_tops)
 
     @torch.inference_mode()
@@ -249,7 +268,8 @@ class ModelRunner:
             logits = logits.index_select(0, repeat)  # (sum(counts), V)
         rows = [
             SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, eos_token_ids)
-            for group in groups for seq in group
+            for group in groups
+            for seq in group
         ]
         return sample(logits, rows, self.workspace)
 
@@ -262,8 +282,15 @@ class DecodeGraphs:
     Not exercised by the CPU test suite: enable with EngineConfig(cuda_graphs=True) on CUDA only.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_seqs: int, max_blocks: int,
-                 scratch_block: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        max_seqs: int,
+        max_blocks: int,
+        scratch_block: int,
+        block_size: int,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_seqs, self.max_blocks = max_seqs, max_blocks
@@ -312,8 +339,14 @@ class DecodeGraphs:
         return hidden[:S]
 
     def _capture(self, Sb: int, Wb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        meta = PagedAttentionMetadata(self.kv_caches, self.slot_mapping[:Sb], self.block_tables[:Sb, :Wb],
-                                      self.context_lens[:Sb], self.query_lens[:Sb], max_query_len=1)
+        meta = PagedAttentionMetadata(
+            self.kv_caches,
+            self.slot_mapping[:Sb],
+            self.block_tables[:Sb, :Wb],
+            self.context_lens[:Sb],
+            self.query_lens[:Sb],
+            max_query_len=1,
+        )
 
         def forward() -> torch.Tensor:
             return self.model.hidden_states(self.input_ids[:Sb], positions=self.positions[:Sb], attn_meta=meta)

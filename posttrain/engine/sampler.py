@@ -102,6 +102,7 @@ class SampleOutput:
 # Pure tensor functions: each is one step of the pipeline above, testable on its own.
 # ---------------------------------------------------------------------------------------------
 
+
 def _flat_indices(logits: torch.Tensor, token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token ids as indices into logits.view(-1), padded to one length, and which
     entries are real. Padding repeats the row's first id, so a value computed from the logit a
@@ -118,9 +119,14 @@ def _flat_indices(logits: torch.Tensor, token_ids: list[list[int]]) -> tuple[tor
     return index, torch.tensor(valid, dtype=torch.bool, device=logits.device)
 
 
-def apply_penalties_(logits: torch.Tensor, prompt_token_ids: list[list[int]],
-                     output_token_ids: list[list[int]], repetition_penalty: torch.Tensor,
-                     presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor) -> torch.Tensor:
+def apply_penalties_(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
     """In place: repetition penalty on tokens seen in prompt or output (HF / vLLM), then
     presence and frequency penalties on output tokens (OpenAI / vLLM):
     `z = (z / r if z > 0 else z * r) - presence * (count > 0) - frequency * count`.
@@ -143,12 +149,23 @@ def apply_penalties_(logits: torch.Tensor, prompt_token_ids: list[list[int]],
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]],
-                    output_token_ids: list[list[int]], repetition_penalty: torch.Tensor,
-                    presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
     """`apply_penalties_` on a copy. logits (R, V) -> (R, V)."""
-    return apply_penalties_(logits.contiguous().clone(), prompt_token_ids, output_token_ids,
-                            repetition_penalty, presence_penalty, frequency_penalty)
+    return apply_penalties_(
+        logits.contiguous().clone(),
+        prompt_token_ids,
+        output_token_ids,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+    )
 
 
 # Row sums over a long vocabulary go through fixed blocks of columns.
@@ -163,9 +180,9 @@ def _block_sums(weights: torch.Tensor) -> torch.Tensor:
     rows, vocab_size = weights.shape
     block = min(_SUM_BLOCK, vocab_size)
     full_blocks = vocab_size // block
-    sums = weights[:, :full_blocks * block].reshape(rows, full_blocks, block).sum(-1)  # (R, B)
+    sums = weights[:, : full_blocks * block].reshape(rows, full_blocks, block).sum(-1)  # (R, B)
     if vocab_size % block:
-        tail = weights[:, full_blocks * block:].sum(-1, keepdim=True)  # (R, 1)
+        tail = weights[:, full_blocks * block :].sum(-1, keepdim=True)  # (R, 1)
         sums = torch.cat([sums, tail], dim=1)
     return sums
 
@@ -173,6 +190,7 @@ def _block_sums(weights: torch.Tensor) -> torch.Tensor:
 # Each filter keeps the tokens whose logit is >= a per-row threshold. The sampler zeroes the
 # draw weights below each threshold in turn; the `apply_*` forms are the same rules as
 # logits -> logits, for callers and for tests against HF's warpers.
+
 
 def _rows_where(mask: torch.Tensor) -> torch.Tensor | None:
     """Row indices where mask (R,) is true; None when it is true everywhere (use all rows)."""
@@ -202,8 +220,7 @@ def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 _TOP_P_CANDIDATES = (256, 4096, 16384)
 
 
-def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor, weights: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Smallest logit of the nucleus: a token is kept when the probability mass of the tokens
     ranked above it is < p, so the shortest prefix with mass >= p survives (always the top
     token). The distribution is `weights` normalised (default softmax(logits)); the sampler
@@ -217,8 +234,9 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor, weights: torch.Te
         return threshold
     pending = _rows_where(active)  # (A,) rows still to resolve; None = all of them
     logits, top_p = (logits, top_p) if pending is None else (logits[pending], top_p[pending])
-    weights = torch.softmax(logits, dim=-1) if weights is None else (
-        weights if pending is None else weights[pending])  # (A, V)
+    weights = (
+        torch.softmax(logits, dim=-1) if weights is None else (weights if pending is None else weights[pending])
+    )  # (A, V)
     pending = torch.arange(logits.shape[0], device=logits.device) if pending is None else pending
     total = _block_sums(weights).sum(dim=-1, keepdim=True)  # (A, 1)
     mass_wanted = top_p[:, None] * total  # (A, 1)
@@ -267,6 +285,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 # The draw inverts the CDF in two levels: per-block sums, pick a block, then a token inside it.
 # A full cumsum over (R, V) costs a pass as slow as the softmax; block sums are a few times cheaper.
 
+
 def sample_from_weights(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Draw one index per row with probability proportional to `weights` (>= 0, unnormalised,
     some > 0), by inverting the CDF at `uniforms` in [0, 1). Zero-weight tokens are never drawn.
@@ -279,17 +298,16 @@ def sample_from_weights(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.
     target = uniforms.double()[:, None] * total  # (R, 1)
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))  # < total
     chosen_block = torch.searchsorted(block_cdf, target, right=True)  # (R, 1), has weight > 0
-    mass_before = torch.where(chosen_block > 0,
-                              block_cdf.gather(1, (chosen_block - 1).clamp(min=0)),
-                              torch.zeros_like(target))  # (R, 1)
+    mass_before = torch.where(
+        chosen_block > 0, block_cdf.gather(1, (chosen_block - 1).clamp(min=0)), torch.zeros_like(target)
+    )  # (R, 1)
     columns = chosen_block * block + torch.arange(block, device=weights.device)  # (R, blk)
     inside = columns < vocab_size  # (R, blk), the last block may be short
     block_weights = weights.gather(1, columns.clamp(max=vocab_size - 1)) * inside  # (R, blk)
     inside_cdf = block_weights.double().cumsum(-1)  # (R, blk)
     # Block sums and this cumsum round differently; keep the offset strictly inside the block.
     inside_total = inside_cdf[:, -1:]
-    offset = torch.minimum(target - mass_before,
-                           torch.nextafter(inside_total, torch.zeros_like(inside_total)))
+    offset = torch.minimum(target - mass_before, torch.nextafter(inside_total, torch.zeros_like(inside_total)))
     position = torch.searchsorted(inside_cdf, offset, right=True)  # (R, 1)
     return (chosen_block * block + position).squeeze(1)  # (R,)
 
@@ -297,6 +315,7 @@ def sample_from_weights(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.
 # ---------------------------------------------------------------------------------------------
 # The batched sampler.
 # ---------------------------------------------------------------------------------------------
+
 
 class SamplingWorkspace:
     """Reusable scratch buffers for `sample`. An (S, V) fp32 tensor is 100 MB at S=512, V=49152;
@@ -315,8 +334,7 @@ class SamplingWorkspace:
         return buffer[:numel].view(shape)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           workspace: SamplingWorkspace | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], workspace: SamplingWorkspace | None = None) -> SampleOutput:
     """Draw one token per row: steps 1-6 of the module docstring, vectorised over rows.
     logits (S, V) fp32, one `SamplingRow` per row; `logits` is not modified. Pass the same
     `workspace` every step to avoid re-allocating (S, V) buffers."""
@@ -346,8 +364,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             # Filtering leaves the kept tokens' probabilities as they are and the drawn token
             # is always kept, so zeroing inside `probs` itself keeps the logprobs below right.
             weights = probs if every_row_filtered else probs[index]  # (F, V)
-            _zero_filtered_(weights, scaled if every_row_filtered else scaled[index],
-                            [rows[j].params for j in filtered])
+            _zero_filtered_(
+                weights, scaled if every_row_filtered else scaled[index], [rows[j].params for j in filtered]
+            )
         token_ids = sample_from_weights(probs, uniforms)  # (S,), step 6
         if filtered and not every_row_filtered:  # redraw with the same uniforms: one per row
             token_ids[index] = sample_from_weights(weights, uniforms[index])
@@ -371,10 +390,10 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     uniforms = torch.empty(len(rows), dtype=torch.float64, device=device)
     unseeded = [j for j, row in enumerate(rows) if row.generator is None]
     if unseeded:
-        uniforms[torch.tensor(unseeded, device=device)] = torch.rand(
-            len(unseeded), dtype=torch.float64, device=device)
-    draws = [torch.rand(1, dtype=torch.float64, generator=rows[j].generator,
-                        device=rows[j].generator.device) for j in seeded]
+        uniforms[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+    draws = [
+        torch.rand(1, dtype=torch.float64, generator=rows[j].generator, device=rows[j].generator.device) for j in seeded
+    ]
     uniforms[torch.tensor(seeded, device=device)] = torch.cat(draws).to(device)
     return uniforms
 
@@ -394,24 +413,23 @@ def _zero_filtered_(weights: torch.Tensor, logits: torch.Tensor, params: list[Sa
         weights.masked_fill_(logits < min_p_threshold(logits, min_p), 0.0)
 
 
-def _scaled_logits(logits: torch.Tensor, rows: list[SamplingRow], workspace: SamplingWorkspace
-                   ) -> torch.Tensor:
+def _scaled_logits(logits: torch.Tensor, rows: list[SamplingRow], workspace: SamplingWorkspace) -> torch.Tensor:
     """Steps 1-3: penalties, min_tokens mask, temperature. Returns `logits` itself when there is
     nothing to do (temperature 1 or greedy, no penalty, no mask), else a workspace buffer."""
     device = logits.device
     vocab_size = logits.shape[-1]
     temperatures = [row.params.temperature or 1.0 for row in rows]  # greedy divides by 1
     any_penalty = any(row.params.has_penalties for row in rows)
-    banned = [(j, token) for j, row in enumerate(rows) for token in row.banned_token_ids()
-              if token < vocab_size]
+    banned = [(j, token) for j, row in enumerate(rows) for token in row.banned_token_ids() if token < vocab_size]
     same_temperature = all(t == temperatures[0] for t in temperatures)
     unit_temperature = same_temperature and temperatures[0] == 1.0
     if unit_temperature and not any_penalty and not banned:
         return logits
 
     scaled = workspace.get("scaled", tuple(logits.shape), device)  # (S, V)
-    divisor = (temperatures[0] if same_temperature
-               else torch.tensor(temperatures, device=device)[:, None])  # scalar or (S, 1)
+    divisor = (
+        temperatures[0] if same_temperature else torch.tensor(temperatures, device=device)[:, None]
+    )  # scalar or (S, 1)
     if any_penalty:  # penalties come before temperature
         scaled.copy_(logits)
         params = [row.params for row in rows]  # rows without penalties have the neutral 1, 0, 0
@@ -419,16 +437,18 @@ def _scaled_logits(logits: torch.Tensor, rows: list[SamplingRow], workspace: Sam
             scaled,
             [row.prompt_token_ids if row.params.has_penalties else [] for row in rows],
             [row.output_token_ids if row.params.has_penalties else [] for row in rows],
-            *(torch.tensor([getattr(p, name) for p in params], device=device)
-              for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")))
+            *(
+                torch.tensor([getattr(p, name) for p in params], device=device)
+                for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+            ),
+        )
         if not unit_temperature:
             scaled.div_(divisor)
     else:
         torch.div(logits, divisor, out=scaled)
     if banned:
         row_index, token_index = zip(*banned)
-        scaled[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = (
-            float("-inf"))
+        scaled[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = float("-inf")
     return scaled
 
 

@@ -77,45 +77,74 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, requirement: str) -> None:
             if not ok:
-                raise InvalidSamplingParams(
-                    f"SamplingParams.{name} must be {requirement}, got {getattr(self, name)!r}")
+                raise InvalidSamplingParams(f"SamplingParams.{name} must be {requirement}, got {getattr(self, name)!r}")
 
         check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
         check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
         check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (off) or an integer >= 1")
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
         check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
-        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-              "repetition_penalty", "a number > 0")
-        check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-              "presence_penalty", "a number in [-2, 2]")
-        check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-              "frequency_penalty", "a number in [-2, 2]")
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-              "stop", "a non-empty string or a list of non-empty strings")
-        check(isinstance(self.stop_token_ids, list)
-              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids", "a list of token ids >= 0")
+        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
+        check(
+            _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "a number in [-2, 2]",
+        )
+        check(
+            _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "a number in [-2, 2]",
+        )
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a non-empty string or a list of non-empty strings",
+        )
+        check(
+            isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids >= 0",
+        )
         check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
-              "max_tokens", "None or an integer >= 0 (0: prefill only)")
+        check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+            "max_tokens",
+            "None or an integer >= 0 (0: prefill only)",
+        )
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              "min_tokens", f"<= max_tokens ({self.max_tokens})")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"<= max_tokens ({self.max_tokens})",
+        )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
         check(self.seed is None or _is_int(self.seed), "seed", "None or an integer")
-        check(self.logprobs is None or isinstance(self.logprobs, bool)
-              or (_is_int(self.logprobs) and self.logprobs >= 0),
-              "logprobs", "None, a bool or an integer >= 0")
-        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-              "prompt_logprobs", "None or an integer >= 0")
-        check(_is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1, "prompt_logprobs_from",
-              "an integer >= 1")
-        check(self.prompt_logprobs is not None or self.prompt_logprobs_from == 1, "prompt_logprobs_from",
-              "1 unless prompt_logprobs is set")
-        check(isinstance(self.prompt_logprob_ranks, bool) and (self.prompt_logprobs is not None
-                                                               or not self.prompt_logprob_ranks),
-              "prompt_logprob_ranks", "a bool, and False unless prompt_logprobs is set")
+        check(
+            self.logprobs is None or isinstance(self.logprobs, bool) or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            "None, a bool or an integer >= 0",
+        )
+        check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
+            "None or an integer >= 0",
+        )
+        check(
+            _is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1,
+            "prompt_logprobs_from",
+            "an integer >= 1",
+        )
+        check(
+            self.prompt_logprobs is not None or self.prompt_logprobs_from == 1,
+            "prompt_logprobs_from",
+            "1 unless prompt_logprobs is set",
+        )
+        check(
+            isinstance(self.prompt_logprob_ranks, bool)
+            and (self.prompt_logprobs is not None or not self.prompt_logprob_ranks),
+            "prompt_logprob_ranks",
+            "a bool, and False unless prompt_logprobs is set",
+        )
         check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool")
 
     @property

@@ -58,9 +58,11 @@ class Sequence:
         self.policy_version: int | None = None  # version of the weights that sampled its first token
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "
-                f"tokens={self.num_tokens}, cached={self.num_cached_tokens}, blocks={len(self.block_table)}, "
-                f"{self.status.value})")
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "
+            f"tokens={self.num_tokens}, cached={self.num_cached_tokens}, blocks={len(self.block_table)}, "
+            f"{self.status.value})"
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -50,8 +50,7 @@ class IncrementalDetokenizer:
     A character split between the prompt and the output counts as prompt text.
     """
 
-    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # context, then the output
@@ -70,8 +69,7 @@ class IncrementalDetokenizer:
         """Append one output token; return the text it completes ("" while a character is split)."""
         self._ids.append(token_id)
         window_text = self._decode(self._prefix_offset, len(self._ids))
-        clean = (not window_text.endswith(REPLACEMENT_CHAR)
-                 or len(self._ids) - self._read_offset > _MAX_HELD_TOKENS)
+        clean = not window_text.endswith(REPLACEMENT_CHAR) or len(self._ids) - self._read_offset > _MAX_HELD_TOKENS
         return self._emit(window_text if clean else window_text[:-1], clean)
 
     def flush(self) -> str:
@@ -81,7 +79,7 @@ class IncrementalDetokenizer:
         return self._emit(self._decode(self._prefix_offset, len(self._ids)), clean=True)
 
     def _emit(self, ready_text: str, clean: bool) -> str:
-        delta = ready_text[len(self._prefix_text) + self._emitted_past_read:]
+        delta = ready_text[len(self._prefix_text) + self._emitted_past_read :]
         if clean:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
@@ -117,7 +115,7 @@ def find_stop(text: str, stop: list[str], new_text_len: int) -> tuple[int, str] 
 
 def truncate_at_stop(text: str, index: int, stop_str: str, include_stop_str_in_output: bool) -> str:
     """The final output text for a stop string found at `index`: up to it, or through it."""
-    return text[:index + len(stop_str)] if include_stop_str_in_output else text[:index]
+    return text[: index + len(stop_str)] if include_stop_str_in_output else text[:index]
 
 
 def safe_text_len(text: str, stop: list[str]) -> int:

@@ -6,6 +6,16 @@ from posttrain.estimate.memory import MemoryEstimate, estimate_memory
 from posttrain.estimate.trainer_rules import TRAINERS, TrainerRules
 
 __all__ = [
-    "ALL_LINEARS", "DEVICES", "TRAINERS", "Architecture", "DeviceKind", "MemoryEstimate", "TimeEstimate",
-    "TrainerRules", "TrainingSetup", "device_kind", "estimate_memory", "estimate_time",
+    "ALL_LINEARS",
+    "DEVICES",
+    "TRAINERS",
+    "Architecture",
+    "DeviceKind",
+    "MemoryEstimate",
+    "TimeEstimate",
+    "TrainerRules",
+    "TrainingSetup",
+    "device_kind",
+    "estimate_memory",
+    "estimate_time",
 ]

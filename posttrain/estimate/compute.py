@@ -139,8 +139,9 @@ class TimeEstimate:
         return dict(vars(self))
 
 
-def estimate_time(arch: Architecture, setup: TrainingSetup, weights_bytes: int, tflops: float,
-                  bandwidth_gbs: float) -> TimeEstimate:
+def estimate_time(
+    arch: Architecture, setup: TrainingSetup, weights_bytes: int, tflops: float, bandwidth_gbs: float
+) -> TimeEstimate:
     """Seconds per optimizer step at `tflops` achieved; rollouts bounded below by reading `weights_bytes`
     once per decode step (completion_len steps per micro-batch)."""
     if not tflops > 0 or not bandwidth_gbs > 0:

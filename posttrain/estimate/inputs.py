@@ -63,9 +63,18 @@ class Architecture:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> Architecture:
-        return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
-                   cfg.attention_bias, cfg.qk_norm)
+        return cls(
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.vocab_size,
+            cfg.tie_word_embeddings,
+            cfg.attention_bias,
+            cfg.qk_norm,
+        )
 
     @classmethod
     def from_model(cls, name_or_path: str) -> Architecture:
@@ -77,9 +86,18 @@ class Architecture:
         return cls.from_model_config(read_hf_config(resolve_model_path(name_or_path)))
 
     @classmethod
-    def from_params(cls, params: int, layers: int, hidden: int, heads: int | None = None,
-                    kv_heads: int | None = None, vocab: int | None = None, intermediate: int | None = None,
-                    head_dim: int | None = None, tied_embeddings: bool = False) -> Architecture:
+    def from_params(
+        cls,
+        params: int,
+        layers: int,
+        hidden: int,
+        heads: int | None = None,
+        kv_heads: int | None = None,
+        vocab: int | None = None,
+        intermediate: int | None = None,
+        head_dim: int | None = None,
+        tied_embeddings: bool = False,
+    ) -> Architecture:
         """A hypothetical model of `params` parameters. Unset shapes get the common defaults (128-wide
         heads, MHA, a 32k vocabulary); an unset intermediate size is solved from `params`."""
         heads = heads or max(hidden // 128, 1)
@@ -92,15 +110,24 @@ class Architecture:
             per_layer = (params - embed - hidden) / layers - attn - 2 * hidden
             intermediate = int(per_layer // (3 * hidden))
             if intermediate < 1:
-                raise PosttrainError(f"--params {params} is too small for {layers} layers of width {hidden} and a "
-                                     f"{vocab}-token vocabulary (the embeddings alone are {embed} parameters)")
+                raise PosttrainError(
+                    f"--params {params} is too small for {layers} layers of width {hidden} and a "
+                    f"{vocab}-token vocabulary (the embeddings alone are {embed} parameters)"
+                )
         return cls(layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, tied_embeddings, params=params)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each decoder linear, by module name."""
         d, f, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+        return {
+            "q_proj": (d, q),
+            "k_proj": (d, kv),
+            "v_proj": (d, kv),
+            "o_proj": (q, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
 
     @property
     def linear_params(self) -> int:

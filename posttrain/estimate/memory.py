@@ -111,8 +111,13 @@ def layer_bytes_per_token(arch: Architecture, setup: TrainingSetup, first: bool 
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     full = setup.method == "full"
     targets = set(ALL_LINEARS if full else setup.lora_targets)  # linears whose input is kept for a weight grad
-    total = _norm_bytes(d, b, weight_trains=full, output_saved=bool(targets & {"q_proj", "k_proj", "v_proj"}),
-                        input_grad=full or not first)
+    total = _norm_bytes(
+        d,
+        b,
+        weight_trains=full,
+        output_saved=bool(targets & {"q_proj", "k_proj", "v_proj"}),
+        input_grad=full or not first,
+    )
     total += _norm_bytes(d, b, weight_trains=full, output_saved=bool(targets & {"gate_proj", "up_proj"}))
     if arch.qk_norm:  # Qwen3: per-head norms of q and k (one rsqrt per head), outputs go to RoPE only
         total += _norm_bytes(q, b, weight_trains=full, output_saved=False)
@@ -262,5 +267,18 @@ def estimate_memory(arch: Architecture, setup: TrainingSetup) -> MemoryEstimate:
         "activation_bytes_per_token_per_layer": layer_bytes_per_token(arch, setup),
         "peak_rule": "sum" if setup.grad_accum > 1 else "max(grads, activations + logits)",
     }
-    return MemoryEstimate(weights, grads, optim, acts, acts_ckpt, head, kv, ref, setup.overhead_bytes,
-                          checkpointed if setup.checkpointing else plain, checkpointed, plain, details)
+    return MemoryEstimate(
+        weights,
+        grads,
+        optim,
+        acts,
+        acts_ckpt,
+        head,
+        kv,
+        ref,
+        setup.overhead_bytes,
+        checkpointed if setup.checkpointing else plain,
+        checkpointed,
+        plain,
+        details,
+    )

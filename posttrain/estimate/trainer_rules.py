@@ -187,6 +187,14 @@ TRAINERS: dict[Trainer, TrainerRules] = {
     "dpo": TrainerRules(PAIRS, "pairs", True, dpo_head, reference_pass=True),
     "rm": TrainerRules(PAIRS, "pairs", False, rm_head, ScalarHead(bias=False, fp32=True, per_target=False)),
     "grpo": TrainerRules(SAMPLES, "groups", True, rl_head, rollout=True, reference_pass=True),
-    "ppo": TrainerRules(SAMPLES, "groups", True, rl_head, ScalarHead(bias=True, fp32=False, per_target=True),
-                        rollout=True, reference_pass=True, scoring_passes=1),
+    "ppo": TrainerRules(
+        SAMPLES,
+        "groups",
+        True,
+        rl_head,
+        ScalarHead(bias=True, fp32=False, per_target=True),
+        rollout=True,
+        reference_pass=True,
+        scoring_passes=1,
+    ),
 }

@@ -16,8 +16,24 @@ from posttrain.eval.preference import PreferenceResult, evaluate_dpo, evaluate_r
 from posttrain.eval.prompts import EvalRows, file_rows, task_rows
 
 __all__ = [
-    "AccuracyResult", "EMF1Result", "EvalRows", "PerplexityResult", "PreferenceResult", "Sampling",
-    "evaluate_accuracy", "evaluate_dpo", "evaluate_em_f1", "evaluate_perplexity", "evaluate_reward_model",
-    "exact_match", "file_rows", "mean_pass_at_k", "normalize_answer", "pairwise_result", "pass_at_k", "perplexity",
-    "task_rows", "token_f1",
+    "AccuracyResult",
+    "EMF1Result",
+    "EvalRows",
+    "PerplexityResult",
+    "PreferenceResult",
+    "Sampling",
+    "evaluate_accuracy",
+    "evaluate_dpo",
+    "evaluate_em_f1",
+    "evaluate_perplexity",
+    "evaluate_reward_model",
+    "exact_match",
+    "file_rows",
+    "mean_pass_at_k",
+    "normalize_answer",
+    "pairwise_result",
+    "pass_at_k",
+    "perplexity",
+    "task_rows",
+    "token_f1",
 ]

@@ -63,8 +63,13 @@ def row_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def evaluate_accuracy(
-    llm: LLM, rows: list[dict[str, Any]], rewards: Sequence[str] | Sequence[RewardSpec], *,
-    sampling: Sampling = Sampling(), ks: Sequence[int] | None = None, threshold: float = 1.0,
+    llm: LLM,
+    rows: list[dict[str, Any]],
+    rewards: Sequence[str] | Sequence[RewardSpec],
+    *,
+    sampling: Sampling = Sampling(),
+    ks: Sequence[int] | None = None,
+    threshold: float = 1.0,
     progress: bool = False,
 ) -> AccuracyResult:
     """Generate `sampling.n` completions per row, score them, and count (see the module docstring).
@@ -109,16 +114,30 @@ def summarize(batch: RolloutBatch, ks: Sequence[int], threshold: float) -> Accur
             pass_k[k] = mean_pass_at_k(eligible, k)
     lengths = [len(ids) for ids in batch.completion_ids]
     records = [
-        {"problem": b // n, "sample": b % n, "prompt": batch.rows[b // n][PROMPT_KEY], "completion": batch.texts[b],
-         "answer": batch.rows[b // n].get("answer"), "reward": None if math.isnan(rewards[b]) else rewards[b],
-         "correct": correct[b]}
+        {
+            "problem": b // n,
+            "sample": b % n,
+            "prompt": batch.rows[b // n][PROMPT_KEY],
+            "completion": batch.texts[b],
+            "answer": batch.rows[b // n].get("answer"),
+            "reward": None if math.isnan(rewards[b]) else rewards[b],
+            "correct": correct[b],
+        }
         for b in range(min(len(rewards), SAMPLES_KEPT))
     ]
     return AccuracyResult(
         accuracy=task_accuracy(rewards, threshold_f32) if scorable else None,
-        pass_at_k=pass_k, problems_for_k=problems_k, problems=batch.num_groups, samples_per_problem=n,
-        samples=len(rewards), scorable=len(scorable), correct=sum(correct), unscorable=len(rewards) - len(scorable),
-        threshold=threshold, reward_mean=sum(scorable) / len(scorable) if scorable else None,
-        mean_completion_tokens=sum(lengths) / max(len(lengths), 1), reward_errors=list(batch.reward_errors),
+        pass_at_k=pass_k,
+        problems_for_k=problems_k,
+        problems=batch.num_groups,
+        samples_per_problem=n,
+        samples=len(rewards),
+        scorable=len(scorable),
+        correct=sum(correct),
+        unscorable=len(rewards) - len(scorable),
+        threshold=threshold,
+        reward_mean=sum(scorable) / len(scorable) if scorable else None,
+        mean_completion_tokens=sum(lengths) / max(len(lengths), 1),
+        reward_errors=list(batch.reward_errors),
         records=records,
     )

@@ -62,8 +62,9 @@ def references_of(value: Any, where: str) -> list[str]:
     out = []
     for item in items:
         if isinstance(item, bool) or not isinstance(item, (str, int, float)):
-            raise DataError(f"{where}: answer {item!r} is a {type(item).__name__}; "
-                            "expected a string, a number or a list of them")
+            raise DataError(
+                f"{where}: answer {item!r} is a {type(item).__name__}; expected a string, a number or a list of them"
+            )
         out.append(str(item))
     return out
 
@@ -110,7 +111,9 @@ class EMF1Result:
 
 
 def score_em_f1(
-    completions: Sequence[str], references: Sequence[list[str]], extract: str | None = None,
+    completions: Sequence[str],
+    references: Sequence[list[str]],
+    extract: str | None = None,
 ) -> tuple[list[float | None], list[float | None], int]:
     """(EM per sample, F1 per sample, samples without a match); None where a sample has no reference."""
     pattern = compile_extract(extract)
@@ -131,8 +134,13 @@ def score_em_f1(
 
 
 def evaluate_em_f1(
-    llm: LLM, rows: list[dict[str, Any]], *, extract: str | None = None, sampling: Sampling = Sampling(),
-    locations: Sequence[str] | None = None, progress: bool = False,
+    llm: LLM,
+    rows: list[dict[str, Any]],
+    *,
+    extract: str | None = None,
+    sampling: Sampling = Sampling(),
+    locations: Sequence[str] | None = None,
+    progress: bool = False,
 ) -> EMF1Result:
     """Generate for every row and score each sample's answer against the row's `answer` references."""
     if not rows:
@@ -149,12 +157,26 @@ def evaluate_em_f1(
     refs = [refs_per_row[b // n] for b in range(batch.num_samples)]
     ems, f1s, no_match = score_em_f1(batch.texts, refs, extract)
     scored = [b for b, em in enumerate(ems) if em is not None]
-    records = [{"problem": b // n, "sample": b % n, "prompt": rows[b // n][PROMPT_KEY], "completion": batch.texts[b],
-                "references": refs[b], "exact_match": ems[b], "f1": f1s[b]}
-               for b in range(min(batch.num_samples, SAMPLES_KEPT))]
+    records = [
+        {
+            "problem": b // n,
+            "sample": b % n,
+            "prompt": rows[b // n][PROMPT_KEY],
+            "completion": batch.texts[b],
+            "references": refs[b],
+            "exact_match": ems[b],
+            "f1": f1s[b],
+        }
+        for b in range(min(batch.num_samples, SAMPLES_KEPT))
+    ]
     return EMF1Result(
         exact_match=sum(ems[b] for b in scored) / len(scored) if scored else None,  # type: ignore[misc]
         f1=sum(f1s[b] for b in scored) / len(scored) if scored else None,  # type: ignore[misc]
-        samples=batch.num_samples, scorable=len(scored), unscorable=batch.num_samples - len(scored),
-        no_match=no_match, problems=batch.num_groups, samples_per_problem=n, records=records,
+        samples=batch.num_samples,
+        scorable=len(scored),
+        unscorable=batch.num_samples - len(scored),
+        no_match=no_match,
+        problems=batch.num_groups,
+        samples_per_problem=n,
+        records=records,
     )

@@ -31,27 +31,41 @@ class Sampling:
     def validate(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise PosttrainError(f"--n must be a positive integer, got {self.n!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise PosttrainError(f"--temperature must be >= 0, got {self.temperature!r}")
         if self.n > 1 and self.temperature == 0:
-            raise PosttrainError(f"--n {self.n} with --temperature 0 gives {self.n} identical greedy samples; "
-                                 "set a temperature > 0 to sample")
+            raise PosttrainError(
+                f"--n {self.n} with --temperature 0 gives {self.n} identical greedy samples; "
+                "set a temperature > 0 to sample"
+            )
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise PosttrainError(f"--max-tokens must be a positive integer, got {self.max_tokens!r}")
 
     def params(self) -> SamplingParams:
         self.validate()
         try:
-            return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p,
-                                  max_tokens=self.max_tokens, seed=self.seed, stop=list(self.stop))
+            return SamplingParams(
+                n=self.n,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=self.max_tokens,
+                seed=self.seed,
+                stop=list(self.stop),
+            )
         except ValueError as error:  # the engine's own checks (top_p range, ...)
             raise PosttrainError(str(error)) from None
 
 
 def make_engine(
-    model: str | Path, rows: list[dict[str, Any]], sampling: Sampling, *, dtype: str | None = None,
-    device: str | None = None, max_model_len: int | None = None,
+    model: str | Path,
+    rows: list[dict[str, Any]],
+    sampling: Sampling,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    max_model_len: int | None = None,
 ) -> LLM:
     """An engine over `model` sized to this evaluation, as the RL trainer sizes its own: context = the
     longest templated prompt + max_tokens (unless `max_model_len` is given), and every sample of every
@@ -65,8 +79,11 @@ def make_engine(
         longest = max(_prompt_tokens(tokenizer, row[PROMPT_KEY]) for row in rows)
         max_model_len = min(longest + sampling.max_tokens, module.config.max_position_embeddings)
     seqs = min(EngineConfig().max_num_seqs, len(rows) * sampling.n)
-    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=seqs,
-                          max_num_batched_tokens=max(EngineConfig().max_num_batched_tokens, seqs))
+    config = EngineConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(EngineConfig().max_num_batched_tokens, seqs),
+    )
     return LLM(model=module, tokenizer=tokenizer, config=config)
 
 

@@ -12,9 +12,10 @@ and the same numbers as a dense forward pass (to float rounding; the batch size 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -67,7 +68,10 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str], max_length: int) -> tup
 
 
 def perplexity(
-    model: torch.nn.Module, token_rows: Sequence[Sequence[int]], batch_size: int = 8, progress: bool = False,
+    model: torch.nn.Module,
+    token_rows: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    progress: bool = False,
     truncated_rows: int = 0,
 ) -> PerplexityResult:
     """Perplexity over tokenized rows (see the module docstring for what is scored). `batch_size`: rows
@@ -83,8 +87,15 @@ def perplexity(
 
 
 def evaluate_perplexity(
-    model: torch.nn.Module, tokenizer: Any, path: str | Path, column: str = "text", skip: int = 0,
-    max_rows: int | None = None, max_length: int = 1024, batch_size: int = 8, progress: bool = False,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    path: str | Path,
+    column: str = "text",
+    skip: int = 0,
+    max_rows: int | None = None,
+    max_length: int = 1024,
+    batch_size: int = 8,
+    progress: bool = False,
 ) -> PerplexityResult:
     """Read a column of a dataset file, tokenize it and score it."""
     texts = read_texts(path, column, skip, max_rows)

@@ -61,24 +61,35 @@ class PreferenceResult:
         return out
 
 
-def pairwise_result(chosen: torch.Tensor, rejected: torch.Tensor, tie_tolerance: float, scorer: str,
-                    data: dict[str, Any] | None = None) -> PreferenceResult:
+def pairwise_result(
+    chosen: torch.Tensor, rejected: torch.Tensor, tie_tolerance: float, scorer: str, data: dict[str, Any] | None = None
+) -> PreferenceResult:
     """Accuracy (ties half), mean margin and counts from chosen / rejected scores, each (P,)."""
     if chosen.shape != rejected.shape or chosen.dim() != 1 or chosen.numel() == 0:
-        raise PosttrainError(f"need two equal-length non-empty score vectors, got {tuple(chosen.shape)} "
-                             f"and {tuple(rejected.shape)}")
-    margins = (chosen.double() - rejected.double())  # (P,)
+        raise PosttrainError(
+            f"need two equal-length non-empty score vectors, got {tuple(chosen.shape)} and {tuple(rejected.shape)}"
+        )
+    margins = chosen.double() - rejected.double()  # (P,)
     wins = int((margins > tie_tolerance).sum())
     ties = int((margins.abs() <= tie_tolerance).sum())
     pairs = margins.numel()
     return PreferenceResult(
-        accuracy=(wins + 0.5 * ties) / pairs, mean_margin=float(margins.mean()), pairs=pairs, wins=wins, ties=ties,
-        losses=pairs - wins - ties, tie_tolerance=tie_tolerance, scorer=scorer, data_report=dict(data or {}),
+        accuracy=(wins + 0.5 * ties) / pairs,
+        mean_margin=float(margins.mean()),
+        pairs=pairs,
+        wins=wins,
+        ties=ties,
+        losses=pairs - wins - ties,
+        tie_tolerance=tie_tolerance,
+        scorer=scorer,
+        data_report=dict(data or {}),
         margins=margins.tolist(),
     )
 
 
-def read_pairs(path: str | Path, tokenizer: Any, tokenize: TokenizePair, **data_options: Any) -> tuple[list[PairRow], dict[str, Any]]:
+def read_pairs(
+    path: str | Path, tokenizer: Any, tokenize: TokenizePair, **data_options: Any
+) -> tuple[list[PairRow], dict[str, Any]]:
     """Every pair of a preference file, tokenized by `tokenize`; `data_options` are DataConfig fields
     (format, columns, max_rows, max_length, overlong, max_bad_row_fraction, split)."""
     try:
@@ -92,8 +103,9 @@ def read_pairs(path: str | Path, tokenizer: Any, tokenize: TokenizePair, **data_
     return data.train, report
 
 
-def _in_chunks(count: int, score: Callable[[slice], tuple[torch.Tensor, torch.Tensor]], progress: bool,
-               desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _in_chunks(
+    count: int, score: Callable[[slice], tuple[torch.Tensor, torch.Tensor]], progress: bool, desc: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Score pairs [0, count) chunk by chunk with a progress bar: (chosen (P,), rejected (P,))."""
     from tqdm.auto import tqdm
 
@@ -108,31 +120,49 @@ def _in_chunks(count: int, score: Callable[[slice], tuple[torch.Tensor, torch.Te
 
 
 def evaluate_reward_model(
-    reward_model: str | Path | Any, data: str | Path, *, batch_size: int = 8, device: str | None = None,
-    dtype: str | None = None, progress: bool = False, tie_tolerance: float = 0.0, **data_options: Any,
+    reward_model: str | Path | Any,
+    data: str | Path,
+    *,
+    batch_size: int = 8,
+    device: str | None = None,
+    dtype: str | None = None,
+    progress: bool = False,
+    tie_tolerance: float = 0.0,
+    **data_options: Any,
 ) -> PreferenceResult:
     """Preference accuracy of a reward model (a directory, or a `RewardModelScorer`) on the pairs of `data`.
 
     Ties are exact equality by default, as in the reward-model trainer's held-out accuracy."""
     from posttrain.rewards.model_reward import RewardModelScorer
 
-    scorer = reward_model if isinstance(reward_model, RewardModelScorer) else RewardModelScorer(
-        reward_model, batch_size=batch_size, device=device, dtype=dtype)
+    scorer = (
+        reward_model
+        if isinstance(reward_model, RewardModelScorer)
+        else RewardModelScorer(reward_model, batch_size=batch_size, device=device, dtype=dtype)
+    )
     pairs, report = read_pairs(data, scorer.tokenizer, tokenize_pair_for_scoring, **data_options)
 
     def score(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = pairs[part]
         values = scorer.score_ids([p.chosen.input_ids for p in chunk] + [p.rejected.input_ids for p in chunk])
         scores = torch.tensor(values, dtype=torch.float64)  # (2b,) chosen then rejected; no sequence is empty
-        return scores[: len(chunk)], scores[len(chunk):]
+        return scores[: len(chunk)], scores[len(chunk) :]
 
     chosen, rejected = _in_chunks(len(pairs), score, progress, "reward model")
     return pairwise_result(chosen, rejected, tie_tolerance, "reward_model", report)
 
 
 def evaluate_dpo(
-    policy: Transformer, reference: Transformer, tokenizer: Any, data: str | Path, *, beta: float = 0.1,
-    batch_size: int = 8, progress: bool = False, tie_tolerance: float = TIE_TOLERANCE, **data_options: Any,
+    policy: Transformer,
+    reference: Transformer,
+    tokenizer: Any,
+    data: str | Path,
+    *,
+    beta: float = 0.1,
+    batch_size: int = 8,
+    progress: bool = False,
+    tie_tolerance: float = TIE_TOLERANCE,
+    **data_options: Any,
 ) -> PreferenceResult:
     """Preference accuracy of a DPO policy's implicit reward beta * (logp_policy - logp_ref) on `data`.
 
@@ -141,14 +171,17 @@ def evaluate_dpo(
     if not beta > 0:
         raise PosttrainError(f"--beta must be > 0, got {beta}")
     if policy.config.vocab_size != reference.config.vocab_size:
-        raise PosttrainError(f"the policy and the reference have different vocabularies "
-                             f"({policy.config.vocab_size} vs {reference.config.vocab_size} tokens)")
+        raise PosttrainError(
+            f"the policy and the reference have different vocabularies "
+            f"({policy.config.vocab_size} vs {reference.config.vocab_size} tokens)"
+        )
     pairs, report = read_pairs(data, tokenizer, tokenize_pair_for_policy, **data_options)
     rows, order = rows_in_waves(pairs, batch_size)
     rewards = torch.empty(2 * len(pairs), dtype=torch.float64)  # (2P,) chosen then rejected
-    rewards[order] = beta * (completion_logps(policy, rows, batch_size, progress)
-                             - completion_logps(reference, rows, batch_size, progress))
-    chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
+    rewards[order] = beta * (
+        completion_logps(policy, rows, batch_size, progress) - completion_logps(reference, rows, batch_size, progress)
+    )
+    chosen, rejected = rewards[: len(pairs)], rewards[len(pairs) :]
     result = pairwise_result(chosen, rejected, tie_tolerance, "dpo", report)
     result.beta = beta
     return result
@@ -158,22 +191,29 @@ def rows_in_waves(pairs: Sequence[Any], batch_size: int) -> tuple[list[Tokenized
     """The pairs' rows in scoring order: waves of batch_size chosen rows, each followed by the same pairs'
     rejected rows, which then find their shared prompt in the prefix cache (completion_logps). order[k]: the
     index of row k among all chosen rows followed by all rejected rows."""
-    order = [i + offset for start in range(0, len(pairs), batch_size)
-             for offset in (0, len(pairs)) for i in range(start, min(start + batch_size, len(pairs)))]
+    order = [
+        i + offset
+        for start in range(0, len(pairs), batch_size)
+        for offset in (0, len(pairs))
+        for i in range(start, min(start + batch_size, len(pairs)))
+    ]
     everything = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     return [everything[i] for i in order], order
 
 
-def completion_logps(model: Transformer, rows: Sequence[TokenizedRow], batch_size: int = 8,
-                     progress: bool = False) -> torch.Tensor:
+def completion_logps(
+    model: Transformer, rows: Sequence[TokenizedRow], batch_size: int = 8, progress: bool = False
+) -> torch.Tensor:
     """Each row's summed log-probabilities of its labelled (completion) tokens, as the DPO trainer's
     `sequence_logps` sums them, from the engine's prompt logprobs. Each row is scored from its first
     labelled token, so the LM head skips the prompt and a prompt an earlier wave of batch_size rows computed
     comes from the prefix cache. (R,) float64."""
     firsts = [_first_labelled(row) for row in rows]  # labels[0] never counts: nothing predicts the first token
     per_token = token_logprobs(model, [row.input_ids for row in rows], batch_size, progress, first_tokens=firsts)
-    sums = [math.fsum(logprob for logprob, label in zip(logprobs, row.labels[first:]) if label != IGNORE_INDEX)
-            for logprobs, row, first in zip(per_token, rows, firsts)]  # per row: len - first logprobs
+    sums = [
+        math.fsum(logprob for logprob, label in zip(logprobs, row.labels[first:]) if label != IGNORE_INDEX)
+        for logprobs, row, first in zip(per_token, rows, firsts)
+    ]  # per row: len - first logprobs
     return torch.tensor(sums, dtype=torch.float64)
 
 

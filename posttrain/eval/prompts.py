@@ -48,8 +48,13 @@ def task_rows(name: str, num: int, path: str | Path | None = None) -> EvalRows:
 
 
 def file_rows(
-    path: str | Path, prompt_column: str = "prompt", answer_column: str = ANSWER_KEY, *,
-    max_rows: int | None = None, system_prompt: str | None = None, template: str | None = None,
+    path: str | Path,
+    prompt_column: str = "prompt",
+    answer_column: str = ANSWER_KEY,
+    *,
+    max_rows: int | None = None,
+    system_prompt: str | None = None,
+    template: str | None = None,
 ) -> EvalRows:
     """Rows of a dataset file with `prompt_column` (text or chat messages) and `answer_column` (any JSON
     value, or a list of references for EM / F1). `template` (e.g. "{question}\\nAnswer:") builds a text
@@ -68,8 +73,10 @@ def file_rows(
             if column not in record:
                 raise DataError(f"{where}: no {role} column {column!r} (columns: {', '.join(record) or 'none'})")
         if answer_column != ANSWER_KEY and ANSWER_KEY in record:
-            raise DataError(f"{where}: the answer column {answer_column!r} would be renamed to {ANSWER_KEY!r}, "
-                            f"but the row already has an {ANSWER_KEY!r} column")
+            raise DataError(
+                f"{where}: the answer column {answer_column!r} would be renamed to {ANSWER_KEY!r}, "
+                f"but the row already has an {ANSWER_KEY!r} column"
+            )
         record = {(ANSWER_KEY if key == answer_column else key): value for key, value in record.items()}
         rows.append(prompt_row(record, prompt_column, where, template, system_prompt))
         locations.append(where)

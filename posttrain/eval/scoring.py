@@ -38,8 +38,13 @@ def scoring_config(lengths: Sequence[int], batch_size: int, prefix_caching: bool
 
 
 @torch.no_grad()
-def token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], batch_size: int = 8,
-                   progress: bool = False, first_tokens: Sequence[int] | None = None) -> list[list[float]]:
+def token_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    progress: bool = False,
+    first_tokens: Sequence[int] | None = None,
+) -> list[list[float]]:
     """For each sequence of token ids, log p(token t | tokens < t) for t = first .. len - 1 (len - first
     floats; none when first >= len), in the order given. first: first_tokens[i] (>= 1), else 1.
     `batch_size`: sequences prefilled together, in the order given (a wave after a wave)."""
@@ -58,5 +63,5 @@ def token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], b
     params = [SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_from=firsts[i]) for i in scored]
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     for i, out in zip(scored, outputs):
-        result[i] = out.prompt_logprobs[firsts[i]:]
+        result[i] = out.prompt_logprobs[firsts[i] :]
     return result

@@ -30,9 +30,12 @@ HF_TO_OURS_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -52,14 +55,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 def hf_to_ours(name: str) -> str | None:
     for hf_prefix, our_prefix in HF_TO_OURS_PREFIXES:
         if name.startswith(hf_prefix):
-            return our_prefix + name[len(hf_prefix):]
+            return our_prefix + name[len(hf_prefix) :]
     return None
 
 
 def ours_to_hf(name: str) -> str:
     for hf_prefix, our_prefix in HF_TO_OURS_PREFIXES:
         if our_prefix and name.startswith(our_prefix):
-            return hf_prefix + name[len(our_prefix):]
+            return hf_prefix + name[len(our_prefix) :]
     return HF_TO_OURS_PREFIXES[0][0] + name
 
 
@@ -101,8 +104,13 @@ def _is_extra_layer(cfg: ModelConfig, hf_name: str) -> bool:
     """DeepSeek-V3 checkpoints append their multi-token-prediction module as layers past num_hidden_layers;
     it plays no part in next-token logits (transformers skips it too)."""
     parts = hf_name.split(".")
-    return (cfg.model_type == "deepseek_v3" and len(parts) > 2 and parts[:2] == ["model", "layers"]
-            and parts[2].isdigit() and int(parts[2]) >= cfg.num_hidden_layers)
+    return (
+        cfg.model_type == "deepseek_v3"
+        and len(parts) > 2
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and int(parts[2]) >= cfg.num_hidden_layers
+    )
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -154,7 +162,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+def load_hf_dir(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
     path = Path(path)
     cfg = read_hf_config(path)
     return build_model(cfg, read_safetensors(path), str(path), dtype, device)
@@ -183,6 +193,7 @@ def save_hf_dir(
     Written into a temporary sibling and renamed into place, so a crash never leaves a half-written
     checkpoint at `out`. An existing `out` is replaced only after the new one is complete.
     """
+
     def fill(tmp: Path) -> None:
         tensors = hf_state_dict(model, dtype)
         saved_dtype = dtype or model.dtype

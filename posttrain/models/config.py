@@ -84,7 +84,9 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in FAMILY_DEFAULTS:
             supported = ", ".join(sorted(FAMILY_DEFAULTS))
-            raise CheckpointError(f"{source}: unsupported architecture model_type={model_type!r} (supported: {supported})")
+            raise CheckpointError(
+                f"{source}: unsupported architecture model_type={model_type!r} (supported: {supported})"
+            )
         for key in REQUIRED_KEYS:
             if key not in hf:
                 raise CheckpointError(f"{source}: missing required key {key!r}")
@@ -100,8 +102,19 @@ class ModelConfig:
         head_dim = mla.qk_rope_head_dim if mla else hf.get("head_dim") or int(hf["hidden_size"]) // n_heads
         rope_scaling = _rope_scaling(hf, source)
         moe = moe_from_hf(model_type, hf, source)
-        known = set(cls.__dataclass_fields__) | {"architectures", "torch_dtype", "dtype", "rope_parameters", "use_cache",
-                                                   "transformers_version", family["bias_key"]} | SLIDING_KEYS
+        known = (
+            set(cls.__dataclass_fields__)
+            | {
+                "architectures",
+                "torch_dtype",
+                "dtype",
+                "rope_parameters",
+                "use_cache",
+                "transformers_version",
+                family["bias_key"],
+            }
+            | SLIDING_KEYS
+        )
         known |= (MOE_KEYS if moe else set()) | (MLA_KEYS if mla else set())
         cfg = cls(
             model_type=model_type,
@@ -212,7 +225,9 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any] | None:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"{source}: unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        raise CheckpointError(
+            f"{source}: unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
     if rope_type == "default":
         return None
     return {**scaling, "rope_type": rope_type}

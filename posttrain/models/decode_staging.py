@@ -67,8 +67,14 @@ class SuffixStaging:
         self.previous = None
         self.buffers.clear()
 
-    def plan(self, kv_caches: list[torch.Tensor], blocks: torch.Tensor, lengths: list[int], shared: list[int],
-             block_size: int) -> StagingPlan | None:
+    def plan(
+        self,
+        kv_caches: list[torch.Tensor],
+        blocks: torch.Tensor,
+        lengths: list[int],
+        shared: list[int],
+        block_size: int,
+    ) -> StagingPlan | None:
         """The staging of this step's decode sequences (blocks (Sd, Bs) suffix blocks padded with 0,
         lengths their suffix tokens); None when the buffers would outgrow the KV pool."""
         cache = kv_caches[0]
@@ -76,9 +82,15 @@ class SuffixStaging:
         prev = self.previous
         extends = None
         capacity = (-(-max(lengths) // block_size) + SLACK_BLOCKS) * block_size
-        if (prev is not None and prev.pool == pool and prev.shared == shared and len(prev.lengths) == len(lengths)
-                and max(lengths) <= prev.capacity and all(n == p + 1 for n, p in zip(lengths, prev.lengths))
-                and self._same_leading_blocks(prev, blocks, block_size)):
+        if (
+            prev is not None
+            and prev.pool == pool
+            and prev.shared == shared
+            and len(prev.lengths) == len(lengths)
+            and max(lengths) <= prev.capacity
+            and all(n == p + 1 for n, p in zip(lengths, prev.lengths))
+            and self._same_leading_blocks(prev, blocks, block_size)
+        ):
             extends, capacity = prev.key, prev.capacity
         per_token = cache[:, 0, 0].numel() * cache.element_size()  # K and V of one token, one layer
         staged_bytes = len(lengths) * capacity * per_token * len(kv_caches)
@@ -88,8 +100,14 @@ class SuffixStaging:
         key = next(self._keys)
         self.previous = _Previous(pool, key, capacity, blocks, list(lengths), list(shared))
         device = blocks.device
-        return StagingPlan(key, extends, capacity, blocks.shape[1] * block_size,
-                           torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1)
+        return StagingPlan(
+            key,
+            extends,
+            capacity,
+            blocks.shape[1] * block_size,
+            torch.arange(len(lengths), device=device),
+            torch.tensor(lengths, device=device) - 1,
+        )
 
     @staticmethod
     def _same_leading_blocks(prev: _Previous, blocks: torch.Tensor, block_size: int) -> bool:
@@ -99,8 +117,9 @@ class SuffixStaging:
         used = torch.arange(width)[None, :] * block_size < torch.tensor(prev.lengths)[:, None]  # (Sd, Bs_prev)
         return bool(((blocks[:, :width] == prev.blocks) | ~used.to(blocks.device)).all())
 
-    def append(self, layer: int, plan: StagingPlan, k_new: torch.Tensor, v_new: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def append(
+        self, layer: int, plan: StagingPlan, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """When this layer's buffer holds the previous step's suffixes and this step extends it: write the
         decode sequences' newest K/V (Sd, Hkv, D), in plan order, and return the suffix K and V as
         (Sd, Hkv, L, D) views of the buffer (L = `width` tokens). Otherwise None: gather, then `store`."""

@@ -32,14 +32,29 @@ DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 # The config.json keys the readers below interpret (under any family's spelling): left out of
 # ModelConfig.extra when parsed, so a saved config.json holds them once, as the writers spell them.
-MOE_KEYS = frozenset({
-    "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "norm_topk_prob", "shared_expert_intermediate_size", "router_aux_loss_coef", "decoder_sparse_step",
-    "mlp_only_layers", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
-    "first_k_dense_replace",
-})
-MLA_KEYS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                      "rope_interleave", "head_dim"})
+MOE_KEYS = frozenset(
+    {
+        "num_local_experts",
+        "num_experts",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "shared_expert_intermediate_size",
+        "router_aux_loss_coef",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "topk_method",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "first_k_dense_replace",
+    }
+)
+MLA_KEYS = frozenset(
+    {"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "head_dim"}
+)
 SLIDING_KEYS = frozenset({"use_sliding_window"})
 
 # Router variants (see moe.ROUTERS): how scores are made and how the top-k experts are chosen.
@@ -67,8 +82,11 @@ class MoEConfig:
     dense_layers: list[int] = field(default_factory=list)  # Qwen mlp_only_layers
 
     def is_sparse(self, layer_idx: int) -> bool:
-        return (layer_idx >= self.first_dense_layers and layer_idx not in self.dense_layers
-                and (layer_idx + 1) % self.sparse_step == 0)
+        return (
+            layer_idx >= self.first_dense_layers
+            and layer_idx not in self.dense_layers
+            and (layer_idx + 1) % self.sparse_step == 0
+        )
 
     def num_parameters(self, hidden_size: int) -> int:
         """Parameters of one sparse MLP (router, experts, shared expert and its gate)."""
@@ -164,7 +182,8 @@ def moe_from_hf(model_type: str, hf: dict[str, Any], source: str) -> MoEConfig |
             return MoEConfig(
                 num_experts=int(_first(hf, "num_local_experts", "num_experts") or 8),
                 num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
-                moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+                moe_intermediate_size=int(hf["intermediate_size"]),
+                norm_topk_prob=True,
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
             )
         if model_type in ("qwen2_moe", "qwen3_moe"):
@@ -176,9 +195,11 @@ def moe_from_hf(model_type: str, hf: dict[str, Any], source: str) -> MoEConfig |
                 num_experts_per_tok=int(hf["num_experts_per_tok"]),
                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
+                shared_expert_intermediate_size=shared,
+                shared_expert_gate=shared > 0,
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-                sparse_step=int(hf.get("decoder_sparse_step", 1)), dense_layers=list(hf.get("mlp_only_layers") or []),
+                sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                dense_layers=list(hf.get("mlp_only_layers") or []),
             )
         if model_type in DEEPSEEK_FAMILIES:
             return _deepseek_moe(model_type, hf, source)
@@ -205,33 +226,52 @@ def _deepseek_moe(model_type: str, hf: dict[str, Any], source: str) -> MoEConfig
     n_experts = int(_first(hf, "n_routed_experts", "num_experts", "num_local_experts"))
     shared = int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"])
     return MoEConfig(
-        num_experts=n_experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=norm, router=router,
-        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+        num_experts=n_experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=norm,
+        router=router,
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        score_correction_bias=model_type == "deepseek_v3", shared_expert_intermediate_size=shared,
+        score_correction_bias=model_type == "deepseek_v3",
+        shared_expert_intermediate_size=shared,
         first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
     )
 
 
 def moe_to_hf(model_type: str, moe: MoEConfig) -> dict[str, Any]:
     if model_type == "mixtral":
-        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
-                "router_aux_loss_coef": moe.router_aux_loss_coef}
+        return {
+            "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok,
+            "router_aux_loss_coef": moe.router_aux_loss_coef,
+        }
     if model_type in ("qwen2_moe", "qwen3_moe"):
         experts_key = "num_experts" if model_type == "qwen2_moe" else "num_local_experts"  # each class's own spelling
-        out = {experts_key: moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
-               "moe_intermediate_size": moe.moe_intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
-               "router_aux_loss_coef": moe.router_aux_loss_coef, "decoder_sparse_step": moe.sparse_step,
-               "mlp_only_layers": list(moe.dense_layers)}
+        out = {
+            experts_key: moe.num_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok,
+            "moe_intermediate_size": moe.moe_intermediate_size,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "router_aux_loss_coef": moe.router_aux_loss_coef,
+            "decoder_sparse_step": moe.sparse_step,
+            "mlp_only_layers": list(moe.dense_layers),
+        }
         if model_type == "qwen2_moe":
             out["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
         return out
-    out = {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
-           "moe_intermediate_size": moe.moe_intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
-           "n_group": moe.n_group, "topk_group": moe.topk_group, "routed_scaling_factor": moe.routed_scaling_factor,
-           "n_shared_experts": moe.shared_expert_intermediate_size // max(moe.moe_intermediate_size, 1),
-           "first_k_dense_replace": moe.first_dense_layers}
+    out = {
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "n_shared_experts": moe.shared_expert_intermediate_size // max(moe.moe_intermediate_size, 1),
+        "first_k_dense_replace": moe.first_dense_layers,
+    }
     if model_type == "deepseek_v2":
         out["topk_method"] = "greedy" if moe.router == "softmax" else "group_limited_greedy"
     return out
@@ -246,8 +286,10 @@ def mla_from_hf(model_type: str, hf: dict[str, Any], source: str) -> MLAConfig |
     try:
         q_rank = hf.get("q_lora_rank")
         return MLAConfig(
-            kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(q_rank) if q_rank else None,
-            qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            q_lora_rank=int(q_rank) if q_rank else None,
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
             # DeepSeek-V2 always rotates interleaved pairs; V3 says so in rope_interleave.
             rope_interleave=bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True,
@@ -257,5 +299,11 @@ def mla_from_hf(model_type: str, hf: dict[str, Any], source: str) -> MLAConfig |
 
 
 def mla_to_hf(mla: MLAConfig) -> dict[str, Any]:
-    return {"kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
-            "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "rope_interleave": mla.rope_interleave}
+    return {
+        "kv_lora_rank": mla.kv_lora_rank,
+        "q_lora_rank": mla.q_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_interleave": mla.rope_interleave,
+    }

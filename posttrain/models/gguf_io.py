@@ -56,11 +56,15 @@ class ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": ArchSpec(
-        "Qwen2ForCausalLM", "qwen2", permute_qk=False,
+        "Qwen2ForCausalLM",
+        "qwen2",
+        permute_qk=False,
         extra_layer_tensors=("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     ),
     "qwen3": ArchSpec(
-        "Qwen3ForCausalLM", "qwen3", permute_qk=False,
+        "Qwen3ForCausalLM",
+        "qwen3",
+        permute_qk=False,
         extra_layer_tensors=("attn_q_norm.weight", "attn_k_norm.weight"),
     ),
 }
@@ -90,8 +94,15 @@ GGUF_TO_HF: dict[str, tuple[str, tuple[str, ...]]] = {
 
 COMMON_GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight")
 COMMON_LAYER_TENSORS = (
-    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-    "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
 )
 
 # GGUF tensor name stem -> the config field giving the head count its rows were permuted with.
@@ -134,8 +145,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         expected = _expected_shape(dims, config)
         if tuple(weights.shape) != expected:
             raise CheckpointError(
-                f"{path}: tensor {tensor.name} has shape {tuple(weights.shape)}, "
-                f"the metadata implies {expected}"
+                f"{path}: tensor {tensor.name} has shape {tuple(weights.shape)}, the metadata implies {expected}"
             )
         tensors[hf_name] = torch.from_numpy(weights)
     return GGUFCheckpoint(config=config, tensors=tensors, tokenizer_meta=tokenizer_meta)
@@ -185,13 +195,16 @@ def gguf_config(
     num_heads = size("attention.head_count")
     num_kv_heads = size("attention.head_count_kv", num_heads, required=False)
     if num_heads % num_kv_heads:
-        raise CheckpointError(f"{path}: {arch}.attention.head_count ({num_heads}) is not a multiple of "
-                              f"{arch}.attention.head_count_kv ({num_kv_heads})")
+        raise CheckpointError(
+            f"{path}: {arch}.attention.head_count ({num_heads}) is not a multiple of "
+            f"{arch}.attention.head_count_kv ({num_kv_heads})"
+        )
     head_dim = size("attention.key_length", hidden // num_heads, required=False)
     rope_dims = key("rope.dimension_count", head_dim, required=False)
     if rope_dims != head_dim:
-        raise CheckpointError(f"{path}: partial rotary ({arch}.rope.dimension_count={rope_dims}, "
-                              f"head_dim={head_dim}) is not supported")
+        raise CheckpointError(
+            f"{path}: partial rotary ({arch}.rope.dimension_count={rope_dims}, head_dim={head_dim}) is not supported"
+        )
     tokens = metadata.get("tokenizer.ggml.tokens")
     if f"{arch}.vocab_size" not in metadata and tokens is None:
         raise CheckpointError(f"{path}: missing metadata key {arch}.vocab_size (and no tokenizer.ggml.tokens)")
@@ -242,13 +255,18 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, path: Path | str) -> dict
         return {"rope_type": "linear", "factor": factor}
     if scaling_type == "yarn":
         scaling = {"rope_type": "yarn", "factor": factor}
-        optional = {"original_context_length": "original_max_position_embeddings",
-                    "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
-        scaling.update({hf: metadata[prefix + gguf_key] for gguf_key, hf in optional.items()
-                        if prefix + gguf_key in metadata})
+        optional = {
+            "original_context_length": "original_max_position_embeddings",
+            "yarn_beta_fast": "beta_fast",
+            "yarn_beta_slow": "beta_slow",
+        }
+        scaling.update(
+            {hf: metadata[prefix + gguf_key] for gguf_key, hf in optional.items() if prefix + gguf_key in metadata}
+        )
         return scaling
-    raise CheckpointError(f"{path}: unsupported rope scaling type {scaling_type!r} in {prefix}type "
-                          "(supported: none, linear, yarn)")
+    raise CheckpointError(
+        f"{path}: unsupported rope scaling type {scaling_type!r} in {prefix}type (supported: none, linear, yarn)"
+    )
 
 
 def _llama3_rope_scaling(
@@ -281,12 +299,17 @@ def _llama3_rope_scaling(
         low, high = candidate["low_freq_factor"], candidate["high_freq_factor"]
         smooth = (original_context * inv_wavelength - low) / (high - low)
         expected = np.where(
-            inv_wavelength > high / original_context, 1.0,  # wavelength < original_context / high
+            inv_wavelength > high / original_context,
+            1.0,  # wavelength < original_context / high
             np.where(inv_wavelength < low / original_context, factor, 1 / ((1 - smooth) / factor + smooth)),
         )
         if np.allclose(expected, divisors, rtol=1e-4, atol=0):
-            return {"rope_type": "llama3", "factor": factor, **candidate,
-                    "original_max_position_embeddings": original_context}
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                **candidate,
+                "original_max_position_embeddings": original_context,
+            }
     raise CheckpointError(f"{path}: {ROPE_FREQS_TENSOR} does not follow llama3 rope scaling; cannot convert it")
 
 
@@ -305,9 +328,7 @@ def _open_reader(path: Path) -> Any:
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as error:  # the reader raises ValueError/IndexError/... on short or bad data
-        raise CheckpointError(
-            f"{path}: truncated or corrupt GGUF file ({type(error).__name__}: {error})"
-        ) from error
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({type(error).__name__}: {error})") from error
     if reader.byte_order != "I":
         raise CheckpointError(f"{path}: big-endian GGUF files are not supported")
     return reader

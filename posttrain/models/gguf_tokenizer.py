@@ -56,10 +56,13 @@ def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
 
 def _split_then_bytes(regex: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
     def build() -> pre_tokenizers.PreTokenizer:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
+
     return build
 
 
@@ -90,17 +93,20 @@ def tokenizer_from_gguf(tokenizer_meta: Mapping[str, Any], source: str = "GGUF f
     merges: list[str] = _require(tokenizer_meta, "tokenizer.ggml.merges", source)
     pre = tokenizer_meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{source}: unsupported tokenizer.ggml.pre {pre!r}; "
-                              f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+        raise CheckpointError(
+            f"{source}: unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     spec = PRE_TOKENIZERS[pre]
 
-    backend = BackendTokenizer(models.BPE(
-        vocab=_vocab(tokens),
-        merges=[_merge_pair(merge, index, source) for index, merge in enumerate(merges)],
-        ignore_merges=spec.ignore_merges,
-        byte_fallback=False,
-        fuse_unk=False,
-    ))
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab=_vocab(tokens),
+            merges=[_merge_pair(merge, index, source) for index, merge in enumerate(merges)],
+            ignore_merges=spec.ignore_merges,
+            byte_fallback=False,
+            fuse_unk=False,
+        )
+    )
     backend.normalizer = spec.normalizer() if spec.normalizer else None
     backend.pre_tokenizer = spec.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
@@ -108,14 +114,20 @@ def tokenizer_from_gguf(tokenizer_meta: Mapping[str, Any], source: str = "GGUF f
     token_types = tokenizer_meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     # Control tokens (<|im_start|>) are special: matched whole, dropped by skip_special_tokens.
     # User-defined ones (<think>) are matched whole too but are ordinary text.
-    backend.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types) if kind == CONTROL_TOKEN
-    ])
-    backend.add_tokens([
-        AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(tokens, token_types) if kind == USER_DEFINED_TOKEN
-    ])
+    backend.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(tokens, token_types)
+            if kind == CONTROL_TOKEN
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False)
+            for token, kind in zip(tokens, token_types)
+            if kind == USER_DEFINED_TOKEN
+        ]
+    )
 
     def token_of(key: str) -> str | None:
         token_id = tokenizer_meta.get(f"tokenizer.ggml.{key}")
@@ -131,8 +143,11 @@ def tokenizer_from_gguf(tokenizer_meta: Mapping[str, Any], source: str = "GGUF f
         eos_token if tokenizer_meta.get("tokenizer.ggml.add_eos_token", False) else None,
         backend,
     )
-    end_of_turn = [tokenizer_meta[key] for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-                   if key in tokenizer_meta]
+    end_of_turn = [
+        tokenizer_meta[key]
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if key in tokenizer_meta
+    ]
     return Tokenizer(
         backend,
         chat_template=tokenizer_meta.get("tokenizer.chat_template"),
@@ -164,6 +179,7 @@ def _post_processor(bos: str | None, eos: str | None, backend: BackendTokenizer)
 
     Same layout as transformers builds: single = [bos] A [eos], pair = [bos] A [eos] [bos] B [eos].
     """
+
     def template(sequence: str, type_id: int) -> list[str]:
         return [f"{token}:{type_id}" for token in (bos, sequence, eos) if token]
 

@@ -70,10 +70,10 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return converted_gguf_dir(path, label=path.stem)
-        raise CheckpointError(f"{path}: not a model (expected an HF directory, a .gguf file or one of: "
-                              f"{', '.join(KNOWN_MODELS)})")
-    raise CheckpointError(f"{text}: no such file or directory, and not a known model name "
-                          f"({', '.join(KNOWN_MODELS)})")
+        raise CheckpointError(
+            f"{path}: not a model (expected an HF directory, a .gguf file or one of: {', '.join(KNOWN_MODELS)})"
+        )
+    raise CheckpointError(f"{text}: no such file or directory, and not a known model name ({', '.join(KNOWN_MODELS)})")
 
 
 def converted_gguf_dir(gguf_path: Path, label: str) -> Path:
@@ -112,7 +112,9 @@ def load_model(
     """Load (model, tokenizer) from an HF directory, a GGUF file, a `posttrain quantize` directory (through
     its registered `DirFormat`) or a known name; model in eval mode. A quantized directory keeps its stored
     float dtype unless `dtype` is given."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     path = resolve_model_path(name_or_path)
     fmt = dir_format(path)
     if fmt is not None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ class SwiGLU(nn.Module):
 # ---- rotary embedding -------------------------------------------------------------------------------
 # Each scaling variant is a function (head_dim, theta, scaling, max_positions, seq_len) -> (inv_freq, attention_factor),
 # chosen by name from ROPE_VARIANTS. `seq_len` matters only for dynamic NTK.
+
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (D/2,)

@@ -34,7 +34,7 @@ from posttrain.models.paged_attention import context_mask, flat_outputs, sequenc
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """1 / sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 when the config sets it."""
-    scale = cfg.mla.qk_head_dim ** -0.5
+    scale = cfg.mla.qk_head_dim**-0.5
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim") and scaling["factor"] > 1:
         mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
@@ -88,7 +88,11 @@ class LatentAttention(nn.Module):
         return self.o_proj(out.reshape(*lead, self.n_heads * self.v_dim))
 
     def _dense(
-        self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
         meta: DenseAttentionMetadata,
     ) -> torch.Tensor:
         B, T = latent.shape[:2]
@@ -99,7 +103,11 @@ class LatentAttention(nn.Module):
         return dense_attention(q, k, v.transpose(1, 2), meta.mask, scale=self.scale).transpose(1, 2)  # (B, T, H, v)
 
     def _paged(
-        self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
         cache = meta.kv_caches[self.layer_idx]  # (1, num_blocks, block_size, 1, rank + rope)
@@ -111,7 +119,11 @@ class LatentAttention(nn.Module):
         L = max_blocks * cache.shape[2]
         keys = cache[0][meta.block_tables].view(S, 1, L, cache.shape[-1]).to(q_nope.dtype)  # (S, 1, L, rank + rope)
         out = F.scaled_dot_product_attention(
-            queries, keys, keys[..., : self.rank], attn_mask=context_mask(meta, L)[:, None], scale=self.scale,
+            queries,
+            keys,
+            keys[..., : self.rank],
+            attn_mask=context_mask(meta, L)[:, None],
+            scale=self.scale,
             enable_gqa=True,
         )  # (S, H, Q, rank)
         return torch.einsum("nhr,hvr->nhv", flat_outputs(out, meta), w_uv)  # (N, H, v)

@@ -13,8 +13,8 @@ what the blocks recorded into the load-balancing loss and the expert-load metric
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,9 @@ class Router(nn.Module):
 RouteFn = Callable[[torch.Tensor, MoEConfig, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"]
 
 
-def _route_softmax(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_softmax(
+    logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Mixtral, Qwen-MoE, DeepSeek-V2 "greedy": the k most probable experts.
     probs = logits.softmax(dim=-1)
     weights, experts = probs.topk(moe.num_experts_per_tok, dim=-1)

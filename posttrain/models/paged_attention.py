@@ -73,8 +73,9 @@ def paged_attention(
     out = torch.empty_like(q)  # (N, H, D)
     if plan.native_decode is not None:
         d = plan.native_decode
-        cpu_kernels.decode_attention(q.contiguous(), cache, out, d.tables, d.context_lens, d.rows, d.group_starts,
-                                     d.group_shared, d.max_members)
+        cpu_kernels.decode_attention(
+            q.contiguous(), cache, out, d.tables, d.context_lens, d.rows, d.group_starts, d.group_shared, d.max_members
+        )
     elif plan.decode is not None:
         out.index_copy_(0, plan.decode.token_rows, _decode_attend(q, k, v, cache, plan.decode, layer_idx))
     if plan.prefill is not None:
@@ -130,7 +131,9 @@ def context_mask(meta: PagedAttentionMetadata, L: int, sliding_window: int | Non
     """(S, Q, L) bool: query i of sequence s (at position context_len - query_len + i) sees key slot j of
     its gathered blocks when j is causal, inside the context and, with a window, less than it behind."""
     device = meta.context_lens.device
-    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len, device=device)[None]  # (S, Q)
+    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_query_len, device=device)[
+        None
+    ]  # (S, Q)
     k_pos = torch.arange(L, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (S, Q, L)
     if sliding_window is not None:
@@ -190,16 +193,21 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> tuple[torch
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, Hkv, L, D) each
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention with its log-sum-exp: q (B, Hkv, M, D), k/v (B, Hkv, L, D), mask additive."""
     if mask is not None and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask
+    )
     return out, lse  # (B, Hkv, M, D), (B, Hkv, M)
 
 
-def _decode_attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: torch.Tensor,
-                   plan: DecodePlan, layer_idx: int) -> torch.Tensor:
+def _decode_attend(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, layer_idx: int
+) -> torch.Tensor:
     """-> (Sd, H, D) for the decode sequences, in plan order; k_new / v_new (N, Hkv, D) this step's K/V."""
     _, H, D = q.shape
     hkv = cache.shape[3]
@@ -208,8 +216,9 @@ def _decode_attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ca
     queries = q.index_select(0, plan.token_rows).view(Sd, hkv, G, D)  # (Sd, Hkv, G, D): heads as query rows
     staged = None
     if plan.staging is not None:
-        staged = staging().append(layer_idx, plan.staging, k_new.index_select(0, plan.token_rows),
-                                  v_new.index_select(0, plan.token_rows))
+        staged = staging().append(
+            layer_idx, plan.staging, k_new.index_select(0, plan.token_rows), v_new.index_select(0, plan.token_rows)
+        )
     if staged is not None:
         k, v = staged
     else:

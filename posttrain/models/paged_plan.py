@@ -127,7 +127,11 @@ def _cascade_groups(table: torch.Tensor, ctx: list[int], block_size: int) -> lis
 
 
 def _native_decode_plan(
-    seqs: list[int], starts: list[int], context_lens: list[int], tables: torch.Tensor, block_size: int,
+    seqs: list[int],
+    starts: list[int],
+    context_lens: list[int],
+    tables: torch.Tensor,
+    block_size: int,
 ) -> NativeDecodePlan:
     ctx = [context_lens[s] for s in seqs]
     table = tables[seqs] if len(seqs) != tables.shape[0] else tables  # (Sd, W)
@@ -151,7 +155,11 @@ def _native_decode_plan(
 
 
 def _decode_plan(
-    seqs: list[int], starts: list[int], context_lens: list[int], tables: torch.Tensor, block_size: int,
+    seqs: list[int],
+    starts: list[int],
+    context_lens: list[int],
+    tables: torch.Tensor,
+    block_size: int,
     kv_caches: list[torch.Tensor],
 ) -> DecodePlan:
     ctx = [context_lens[s] for s in seqs]
@@ -204,7 +212,11 @@ def _length_mask(lengths: list[int], width: int, device: torch.device) -> torch.
 
 
 def _prefill_plan(
-    seqs: list[int], starts: list[int], query_lens: list[int], context_lens: list[int], tables: torch.Tensor,
+    seqs: list[int],
+    starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    tables: torch.Tensor,
     block_size: int,
 ) -> PrefillPlan:
     device = tables.device

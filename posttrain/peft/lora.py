@@ -46,7 +46,7 @@ class LoraConfig:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.r ** 0.5 if self.use_rslora else self.alpha / self.r
+        return self.alpha / self.r**0.5 if self.use_rslora else self.alpha / self.r
 
     def validate(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -256,7 +256,9 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
     if adapter_name not in adapter_names(model):
         raise PosttrainError(f"no adapter {adapter_name!r} (adapters: {', '.join(adapter_names(model)) or 'none'})")
     if merged_adapter(model) == adapter_name:
-        raise PosttrainError(f"adapter {adapter_name!r} is merged into the base weights; call unmerge_lora(model) first")
+        raise PosttrainError(
+            f"adapter {adapter_name!r} is merged into the base weights; call unmerge_lora(model) first"
+        )
     for name, layer in lora_layers(model).items():
         if adapter_name in layer.lora_A:
             layer.delete_adapter(adapter_name)

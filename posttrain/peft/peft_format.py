@@ -29,14 +29,14 @@ from posttrain.errors import CheckpointError, PosttrainError
 from posttrain.models.checkpoint_io import hf_to_ours, write_dir_atomically
 from posttrain.peft.lora import (
     DEFAULT_ADAPTER,
-    matches_spec,
-    model_modules,
     active_adapter,
     adapter_names,
     check_new_adapter_name,
     find_targets,
     hf_module_name,
     lora_layers,
+    matches_spec,
+    model_modules,
     set_adapter,
     wrap_linear,
 )
@@ -48,24 +48,58 @@ LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 
 # Config fields that do not change what a loaded adapter computes (metadata, runtime options, and settings
 # that only matter when peft creates or initialises an adapter, or only together with a refused feature).
-INERT_FIELDS = frozenset({
-    "base_model_name_or_path", "revision", "peft_version", "auto_mapping", "inference_mode", "runtime_config",
-    "megatron_core", "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-    "ensure_weight_tying",
-})
+INERT_FIELDS = frozenset(
+    {
+        "base_model_name_or_path",
+        "revision",
+        "peft_version",
+        "auto_mapping",
+        "inference_mode",
+        "runtime_config",
+        "megatron_core",
+        "qalora_group_size",
+        "loftq_config",
+        "eva_config",
+        "corda_config",
+        "lora_ga_config",
+        "ensure_weight_tying",
+    }
+)
 # Fields read below.
-READ_FIELDS = frozenset({
-    "peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "use_rslora",
-    "fan_in_fan_out", "bias", "init_lora_weights", "rank_pattern", "alpha_pattern",
-})
+READ_FIELDS = frozenset(
+    {
+        "peft_type",
+        "task_type",
+        "r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "exclude_modules",
+        "use_rslora",
+        "fan_in_fan_out",
+        "bias",
+        "init_lora_weights",
+        "rank_pattern",
+        "alpha_pattern",
+    }
+)
 # Known features that must stay off; any other unknown field must be unset too.
 FEATURE_NAMES = {
-    "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "modules_to_save": "extra modules trained in full",
-    "layers_to_transform": "a subset of layers", "layers_pattern": "a subset of layers",
-    "layer_replication": "layer replication", "trainable_token_indices": "trainable token embeddings",
-    "target_parameters": "LoRA on bare parameters", "alora_invocation_tokens": "activated LoRA (aLoRA)",
-    "use_qalora": "QALoRA", "megatron_config": "Megatron parallel layers", "arrow_config": "Arrow routing",
-    "use_bdlora": "block-diagonal LoRA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
+    "use_dora": "DoRA",
+    "lora_bias": "a bias on lora_B",
+    "modules_to_save": "extra modules trained in full",
+    "layers_to_transform": "a subset of layers",
+    "layers_pattern": "a subset of layers",
+    "layer_replication": "layer replication",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on bare parameters",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QALoRA",
+    "megatron_config": "Megatron parallel layers",
+    "arrow_config": "Arrow routing",
+    "use_bdlora": "block-diagonal LoRA",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
     "kasa_config": "KaSA",
 }
 # init_lora_weights values that leave the base weights as they were (PiSSA, OLoRA, LoftQ, CorDA, ... rewrite them).
@@ -88,7 +122,9 @@ class AdapterSpec:
 
     def rank_and_alpha(self, hf_name: str) -> tuple[int, float]:
         """peft's rule: the first pattern key k with re.match(rf"(.*\\.)?({k})$", name) overrides r / alpha."""
-        return _pattern_value(self.rank_pattern, hf_name, self.r), _pattern_value(self.alpha_pattern, hf_name, self.alpha)
+        return _pattern_value(self.rank_pattern, hf_name, self.r), _pattern_value(
+            self.alpha_pattern, hf_name, self.alpha
+        )
 
 
 def _unset(value: Any) -> bool:
@@ -131,13 +167,20 @@ def read_adapter_config(adapter_dir: str | Path) -> AdapterSpec:
         if key in READ_FIELDS or key in INERT_FIELDS or _unset(value):
             continue
         feature = FEATURE_NAMES.get(key)
-        fail(key, f"asks for {feature}, which is not supported" if feature else
-             "is an option this loader does not know; only plain LoRA adapters load here")
+        fail(
+            key,
+            f"asks for {feature}, which is not supported"
+            if feature
+            else "is an option this loader does not know; only plain LoRA adapters load here",
+        )
     if cfg.get("bias", "none") != "none":
-        fail("bias", "trains base-layer biases, which is not supported (bias must be \"none\")")
+        fail("bias", 'trains base-layer biases, which is not supported (bias must be "none")')
     if cfg.get("init_lora_weights", True) not in BASE_PRESERVING_INITS:
-        fail("init_lora_weights", "changes the base weights at initialisation (PiSSA/OLoRA/LoftQ/CorDA-style), "
-             "which is not supported; convert the adapter to plain LoRA first")
+        fail(
+            "init_lora_weights",
+            "changes the base weights at initialisation (PiSSA/OLoRA/LoftQ/CorDA-style), "
+            "which is not supported; convert the adapter to plain LoRA first",
+        )
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         fail("r", "must be a positive integer")
@@ -175,9 +218,14 @@ def read_adapter_config(adapter_dir: str | Path) -> AdapterSpec:
         except re.error:
             fail("target_modules", "is not a valid regular expression")
     return AdapterSpec(
-        r=r, alpha=float(alpha), dropout=float(dropout), target_modules=targets, exclude_modules=exclude or None,
+        r=r,
+        alpha=float(alpha),
+        dropout=float(dropout),
+        target_modules=targets,
+        exclude_modules=exclude or None,
         use_rslora=bool(cfg.get("use_rslora", False)),
-        rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
+        rank_pattern=patterns["rank_pattern"],
+        alpha_pattern=patterns["alpha_pattern"],
     )
 
 
@@ -186,8 +234,10 @@ def read_adapter_tensors(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
     path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
         if (adapter_dir / "adapter_model.bin").is_file():
-            raise CheckpointError(f"{adapter_dir}: adapter_model.bin is a pickle, which is never loaded; "
-                                  f"re-save the adapter as {ADAPTER_WEIGHTS} (peft: safe_serialization=True)")
+            raise CheckpointError(
+                f"{adapter_dir}: adapter_model.bin is a pickle, which is never loaded; "
+                f"re-save the adapter as {ADAPTER_WEIGHTS} (peft: safe_serialization=True)"
+            )
         raise CheckpointError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}")
     try:
         return load_file(str(path))
@@ -224,8 +274,10 @@ def load_peft_adapter(
                     f"out_features={module.out_features})"
                 )
             if not tensor.dtype.is_floating_point:
-                raise CheckpointError(f"{weights_file}: tensor '{hf}.lora_{part}.weight' has dtype {tensor.dtype}, "
-                                      "expected a floating-point type")
+                raise CheckpointError(
+                    f"{weights_file}: tensor '{hf}.lora_{part}.weight' has dtype {tensor.dtype}, "
+                    "expected a floating-point type"
+                )
     for p in model.parameters():
         p.requires_grad_(False)
     for name, (A, B) in pairs.items():
@@ -248,22 +300,30 @@ def _group_tensors(
     for key, tensor in tensors.items():
         suffix = next((s for s in LORA_SUFFIXES if key.endswith(s)), None)
         if not key.startswith(KEY_PREFIX) or suffix is None:
-            raise CheckpointError(f"{source}: unexpected tensor {key!r} (only LoRA lora_A/lora_B weights of Linear "
-                                  f"layers, named '{KEY_PREFIX}<module>.lora_A.weight', are supported)")
-        hf_module = key[len(KEY_PREFIX):-len(suffix)]
+            raise CheckpointError(
+                f"{source}: unexpected tensor {key!r} (only LoRA lora_A/lora_B weights of Linear "
+                f"layers, named '{KEY_PREFIX}<module>.lora_A.weight', are supported)"
+            )
+        hf_module = key[len(KEY_PREFIX) : -len(suffix)]
         ours = hf_to_ours(hf_module + ".weight")
         name = ours.removesuffix(".weight") if ours is not None else None
         if name not in modules:
-            raise CheckpointError(f"{source}: tensor {key!r} is for module {hf_module!r}, which the model does not have")
+            raise CheckpointError(
+                f"{source}: tensor {key!r} is for module {hf_module!r}, which the model does not have"
+            )
         found.setdefault(name, {})[LORA_SUFFIXES[suffix]] = tensor
     extra = [n for n in found if n not in set(targets)]
     if extra:
-        raise CheckpointError(f"{source}: tensors for module {hf_module_name(extra[0])!r}, which the config's "
-                              "target_modules does not select")
+        raise CheckpointError(
+            f"{source}: tensors for module {hf_module_name(extra[0])!r}, which the config's "
+            "target_modules does not select"
+        )
     for name in targets:
         for part in ("A", "B"):
             if part not in found.get(name, {}):
-                raise CheckpointError(f"{source}: missing tensor '{KEY_PREFIX}{hf_module_name(name)}.lora_{part}.weight'")
+                raise CheckpointError(
+                    f"{source}: missing tensor '{KEY_PREFIX}{hf_module_name(name)}.lora_{part}.weight'"
+                )
     return {name: (found[name]["A"], found[name]["B"]) for name in targets}
 
 
@@ -290,10 +350,13 @@ def save_peft_adapter(
         tensors[f"{prefix}.lora_A.weight"] = layer.lora_A[name].weight.detach().to("cpu").contiguous()
         tensors[f"{prefix}.lora_B.weight"] = layer.lora_B[name].weight.detach().to("cpu").contiguous()
     config = _peft_config(model, layers, name, str(base_model_name_or_path))
-    return _write_atomically(Path(out_dir), {
-        ADAPTER_CONFIG: lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
-        ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
-    })
+    return _write_atomically(
+        Path(out_dir),
+        {
+            ADAPTER_CONFIG: lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+            ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+        },
+    )
 
 
 def _peft_config(model: nn.Module, layers: dict[str, Any], name: str, base: str) -> dict[str, Any]:

@@ -113,9 +113,7 @@ def round_to_codes(
     return q.clamp_(scheme.q_min, scheme.q_max).to(torch.int8)
 
 
-def codes_to_values(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
-) -> torch.Tensor:
+def codes_to_values(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
     """Centred codes (..., g) on the grids (scales / zeros (...)) -> fp32 weights (..., g)."""
     w = codes.float() * scales.float()[..., None]
     return w if zeros is None else w + zeros.float()[..., None]

@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from posttrain.errors import PosttrainError
 import torch.nn.functional as F
 
+from posttrain.errors import PosttrainError
 from posttrain.quant.codec import codes_to_values, group_params, grouped_view, round_to_codes, search_clip
 from posttrain.quant.schemes import QuantScheme
 
@@ -105,7 +104,7 @@ def gptq_quantize(
             column = i1 + i
             g = group_of[column]
             if not static and column % group == 0:  # a group starts: its grid from the corrected weights
-                w_group = W1[:, i:i + group]  # (N, g), the last group may be shorter
+                w_group = W1[:, i : i + group]  # (N, g), the last group may be shorter
                 s, z = grid(w_group[:, None, :], torch.arange(column, column + w_group.shape[1])[None, :])  # (N, 1)
                 scales[:, g] = s[:, 0]
                 if zeros is not None:
@@ -136,5 +135,7 @@ def _inverse_cholesky_upper(H: torch.Tensor, damp: float, source: str) -> torch.
             U, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return U
-    raise PosttrainError(f"{source}: the calibration Hessian is not positive definite even with damp={damp * 100} "
-                         "(more or more varied calibration text, or a larger --damp)")
+    raise PosttrainError(
+        f"{source}: the calibration Hessian is not positive definite even with damp={damp * 100} "
+        "(more or more varied calibration text, or a larger --damp)"
+    )

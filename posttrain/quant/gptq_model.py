@@ -15,7 +15,8 @@ end. The same layers as `quantize_model` are converted (the decoder linears; lm_
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,8 +45,10 @@ def calibration_batch(
             break
     windows = min(num_samples, len(stream) // seq_len)
     if windows == 0:
-        raise PosttrainError(f"calibration text has {len(stream)} tokens, fewer than one window of {seq_len} "
-                             "(more rows or a shorter --calib-seq-len)")
+        raise PosttrainError(
+            f"calibration text has {len(stream)} tokens, fewer than one window of {seq_len} "
+            "(more rows or a shorter --calib-seq-len)"
+        )
     return torch.tensor(stream[: windows * seq_len], dtype=torch.long).view(windows, seq_len)
 
 
@@ -114,6 +117,7 @@ def _stages(linears: dict[str, nn.Module], run: Callable[[_HessianCollector], No
     def record(name: str):
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             order.append((name, (inputs[0].data_ptr(), tuple(inputs[0].shape))))
+
         return hook
 
     handles = [m.register_forward_hook(record(name)) for name, m in linears.items()]
@@ -157,15 +161,19 @@ def gptq_quantize_model(
     scheme = get_scheme(scheme)
     check_compute(compute)
     if calibration_ids.dim() != 2 or calibration_ids.dtype != torch.long:
-        raise PosttrainError(f"calibration_ids must be (samples, seq_len) int64, got {tuple(calibration_ids.shape)} "
-                             f"{calibration_ids.dtype}")
+        raise PosttrainError(
+            f"calibration_ids must be (samples, seq_len) int64, got {tuple(calibration_ids.shape)} "
+            f"{calibration_ids.dtype}"
+        )
     names = decoder_linear_names(model)
     if not names:
         raise PosttrainError("gptq: the model has no decoder linear layers (layers.N.self_attn.q_proj ...)")
     for name in names:
         if type(model.get_submodule(name)) is not nn.Linear:
-            raise PosttrainError(f"gptq: {name} is a {type(model.get_submodule(name)).__name__}, not nn.Linear "
-                                 "(quantize a float model, before applying LoRA or QAT)")
+            raise PosttrainError(
+                f"gptq: {name} is a {type(model.get_submodule(name)).__name__}, not nn.Linear "
+                "(quantize a float model, before applying LoRA or QAT)"
+            )
     device = model.embed_tokens.weight.device
     ids = calibration_ids.to(device)
     S, T = ids.shape
@@ -197,11 +205,20 @@ def gptq_quantize_model(
                 collector.close()
             for name in stage:
                 linear = mine[name]
-                result = gptq_quantize(linear.weight, collector.hessian(name), scheme, damp, block_size, act_order,
-                                       clip_search, source=name)
+                result = gptq_quantize(
+                    linear.weight,
+                    collector.hessian(name),
+                    scheme,
+                    damp,
+                    block_size,
+                    act_order,
+                    clip_search,
+                    source=name,
+                )
                 losses[name] = result.proxy_loss
-                quantized = QuantizedLinear.from_codes(result.codes, result.scales, result.zeros, linear.bias,
-                                                       scheme, "reference", source=name)
+                quantized = QuantizedLinear.from_codes(
+                    result.codes, result.scales, result.zeros, linear.bias, scheme, "reference", source=name
+                )
                 replace_module(model, name, quantized.to(device))
         for b in batches:  # the next layer sees this layer's quantized outputs
             hidden[b] = layer(hidden[b], cos, sin, meta)
@@ -210,10 +227,16 @@ def gptq_quantize_model(
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "extra"):
         config.extra["quantization_config"] = {
-            **scheme.to_config(), "method": "gptq",
-            "gptq": {"damp": damp, "block_size": block_size, "act_order": act_order, "clip_search": clip_search,
-                     "true_sequential": true_sequential,
-                     "calibration_samples": S,
-                     "calibration_seq_len": T},
+            **scheme.to_config(),
+            "method": "gptq",
+            "gptq": {
+                "damp": damp,
+                "block_size": block_size,
+                "act_order": act_order,
+                "clip_search": clip_search,
+                "true_sequential": true_sequential,
+                "calibration_samples": S,
+                "calibration_seq_len": T,
+            },
         }
     return losses

@@ -51,12 +51,15 @@ def scheme_from_config(section: Any, source: str) -> QuantScheme:
         raise CheckpointError(f"{source}: quantization_config must be a JSON object, got {type(section).__name__}")
     method = section.get("quant_method")
     if method != QUANT_METHOD:
-        raise CheckpointError(f"{source}: quantization_config.quant_method={method!r} is not supported "
-                              f"(only {QUANT_METHOD!r}, written by `posttrain quantize`)")
+        raise CheckpointError(
+            f"{source}: quantization_config.quant_method={method!r} is not supported "
+            f"(only {QUANT_METHOD!r}, written by `posttrain quantize`)"
+        )
     version = section.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{source}: quantization_config.format_version={version!r} (this version reads "
-                              f"{FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{source}: quantization_config.format_version={version!r} (this version reads {FORMAT_VERSION})"
+        )
     name = section.get("scheme")
     if name not in SCHEMES:
         raise CheckpointError(f"{source}: quantization_config.scheme={name!r} is unknown (known: {', '.join(SCHEMES)})")
@@ -67,13 +70,17 @@ def scheme_from_config(section: Any, source: str) -> QuantScheme:
         if key in ("modules_not_converted",):
             continue
         if section.get(key) != expected:
-            raise CheckpointError(f"{source}: quantization_config.{key}={section.get(key)!r} contradicts scheme "
-                                  f"{name!r} ({key}={expected!r})")
+            raise CheckpointError(
+                f"{source}: quantization_config.{key}={section.get(key)!r} contradicts scheme "
+                f"{name!r} ({key}={expected!r})"
+            )
     return scheme
 
 
 def load_quantized_dir(
-    path: str | Path, device: str | torch.device | None = "cpu", dtype: torch.dtype | None = None,
+    path: str | Path,
+    device: str | torch.device | None = "cpu",
+    dtype: torch.dtype | None = None,
     compute: str = "auto",
 ) -> Transformer:
     """Build the quantized Transformer a directory holds (eval mode). `dtype` applies to the float tensors
@@ -86,7 +93,9 @@ def load_quantized_dir(
     model = Transformer(cfg, device="meta")
     quantized = sorted(n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight"))
     if not quantized:
-        raise CheckpointError(f"{path}: config.json declares quantization but model.safetensors has no .qweight tensors")
+        raise CheckpointError(
+            f"{path}: config.json declares quantization but model.safetensors has no .qweight tensors"
+        )
     for name in quantized:
         _install_shell(model, name, scheme, tensors, str(path), compute)
     expected = dict(model.state_dict(keep_vars=True))
@@ -113,27 +122,39 @@ def load_quantized_dir(
     return model.to(device).eval()
 
 
-def _install_shell(model: Transformer, name: str, scheme: QuantScheme, tensors: dict, source: str,
-                   compute: str) -> None:
+def _install_shell(
+    model: Transformer, name: str, scheme: QuantScheme, tensors: dict, source: str, compute: str
+) -> None:
     """Put an empty QuantizedLinear (on meta) where the float linear `name` is."""
     try:
         linear = model.get_submodule(name)
     except AttributeError:
-        raise CheckpointError(f"{source}: quantized tensor {ours_to_hf(name)}.qweight names no layer of the model") from None
+        raise CheckpointError(
+            f"{source}: quantized tensor {ours_to_hf(name)}.qweight names no layer of the model"
+        ) from None
     if not isinstance(linear, nn.Linear):
         raise CheckpointError(f"{source}: {ours_to_hf(name)} is a {type(linear).__name__}, not a linear layer")
     stored_bias = tensors.get(f"{name}.bias")
     bias_dtype = stored_bias.dtype if stored_bias is not None and stored_bias.is_floating_point() else torch.float32
-    shell = QuantizedLinear(linear.in_features, linear.out_features, scheme, bias=linear.bias is not None,
-                            device="meta", bias_dtype=bias_dtype, compute=compute)
+    shell = QuantizedLinear(
+        linear.in_features,
+        linear.out_features,
+        scheme,
+        bias=linear.bias is not None,
+        device="meta",
+        bias_dtype=bias_dtype,
+        compute=compute,
+    )
     replace_module(model, name, shell)
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, expected: torch.Tensor, source: str) -> None:
     hf_name = ours_to_hf(name)
     if tuple(tensor.shape) != tuple(expected.shape):
-        raise CheckpointError(f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config and "
-                              f"scheme imply {tuple(expected.shape)}")
+        raise CheckpointError(
+            f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config and "
+            f"scheme imply {tuple(expected.shape)}"
+        )
     quantized_state = name.endswith((".qweight", ".scales", ".zeros"))
     if quantized_state and tensor.dtype != expected.dtype:
         raise CheckpointError(f"{source}: tensor {hf_name!r} is {tensor.dtype}, the scheme stores {expected.dtype}")

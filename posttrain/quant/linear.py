@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +71,9 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.compute = check_compute(compute)
         N, K, G = out_features, in_features, self.scheme.num_groups(in_features)
-        self.register_buffer("qweight", torch.empty(qweight_shape(self.scheme, N, K), dtype=WEIGHT_BITS[self.scheme.bits],
-                                                    device=device))
+        self.register_buffer(
+            "qweight", torch.empty(qweight_shape(self.scheme, N, K), dtype=WEIGHT_BITS[self.scheme.bits], device=device)
+        )
         self.register_buffer("scales", torch.ones(N, G, dtype=self.scheme.scale_dtype, device=device))
         zeros = None if self.scheme.symmetric else torch.zeros(N, G, dtype=self.scheme.scale_dtype, device=device)
         self.register_buffer("zeros", zeros)
@@ -108,11 +109,18 @@ class QuantizedLinear(nn.Module):
         scheme = get_scheme(scheme)
         N, K = codes.shape
         G = scheme.num_groups(K)
-        if scales.shape != (N, G) or (zeros is None) != scheme.symmetric or (zeros is not None and zeros.shape != (N, G)):
-            raise PosttrainError(f"{source}: grids {tuple(scales.shape)} / "
-                                 f"{None if zeros is None else tuple(zeros.shape)} do not fit {scheme.name} codes {N}x{K}")
-        layer = cls(K, N, scheme, bias is not None, codes.device,
-                    bias.dtype if bias is not None else torch.float32, compute)
+        if (
+            scales.shape != (N, G)
+            or (zeros is None) != scheme.symmetric
+            or (zeros is not None and zeros.shape != (N, G))
+        ):
+            raise PosttrainError(
+                f"{source}: grids {tuple(scales.shape)} / "
+                f"{None if zeros is None else tuple(zeros.shape)} do not fit {scheme.name} codes {N}x{K}"
+            )
+        layer = cls(
+            K, N, scheme, bias is not None, codes.device, bias.dtype if bias is not None else torch.float32, compute
+        )
         with torch.no_grad():
             layer.qweight = pack_int4(codes) if scheme.bits == 4 else codes.to(torch.int8).contiguous()
             layer.scales.copy_(scales)
@@ -123,8 +131,9 @@ class QuantizedLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, compute: str = "auto",
-                    source: str = "weight") -> QuantizedLinear:
+    def from_linear(
+        cls, linear: nn.Linear, scheme: str | QuantScheme, compute: str = "auto", source: str = "weight"
+    ) -> QuantizedLinear:
         return cls.from_float(linear.weight, linear.bias, scheme, compute, source)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
@@ -176,8 +185,10 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
-                f"bias={self.bias is not None}, compute={self.compute}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"bias={self.bias is not None}, compute={self.compute}"
+        )
 
 
 def qweight_shape(scheme: QuantScheme, out_features: int, in_features: int) -> tuple[int, ...]:
@@ -235,7 +246,7 @@ def _reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.dequantize(x.dtype))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_int4_layout_matches() -> bool:
     """Whether torch's CPU int4 kernel reads our `tiles64` layout (checked once against torch's own packer)."""
     op = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
@@ -259,8 +270,14 @@ def _cpu_int4_group(layer: QuantizedLinear) -> int | None:
 
 
 def _cpu_int4_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
-    return (layer.scheme.bits == 4 and x.device.type == "cpu" and layer.in_features % 2 == 0
-            and _cpu_int4_group(layer) is not None and _aligned(layer.qweight) and cpu_int4_layout_matches())
+    return (
+        layer.scheme.bits == 4
+        and x.device.type == "cpu"
+        and layer.in_features % 2 == 0
+        and _cpu_int4_group(layer) is not None
+        and _aligned(layer.qweight)
+        and cpu_int4_layout_matches()
+    )
 
 
 def _cpu_int4_scales_and_zeros(layer: QuantizedLinear) -> torch.Tensor:
@@ -270,7 +287,11 @@ def _cpu_int4_scales_and_zeros(layer: QuantizedLinear) -> torch.Tensor:
     repeat = layer.scheme.effective_group_size(K) // kernel_group
     n_groups = K // kernel_group
     scales = layer.scales.float().repeat_interleave(repeat, dim=1)[:, :n_groups]  # (N, K / kernel_group)
-    zeros = torch.zeros_like(scales) if layer.zeros is None else layer.zeros.float().repeat_interleave(repeat, dim=1)[:, :n_groups]
+    zeros = (
+        torch.zeros_like(scales)
+        if layer.zeros is None
+        else layer.zeros.float().repeat_interleave(repeat, dim=1)[:, :n_groups]
+    )
     sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # (K / kg, N, 2)
     padded = layer.qweight.shape[0] * TILE_ROWS
     sz = F.pad(sz, (0, 0, 0, padded - N))  # padded rows: scale 0
@@ -289,8 +310,13 @@ def _cpu_int4_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_int8_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
-    return (layer.scheme.bits == 8 and layer.scheme.activation_bits is None and x.device.type == "cpu"
-            and hasattr(torch.ops.aten, "_weight_int8pack_mm") and _aligned(layer.qweight))
+    return (
+        layer.scheme.bits == 8
+        and layer.scheme.activation_bits is None
+        and x.device.type == "cpu"
+        and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        and _aligned(layer.qweight)
+    )
 
 
 def _cpu_int8_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -304,7 +330,7 @@ def _cpu_int8_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def int_mm_is_exact() -> bool:
     """Whether torch's CPU `_int_mm` sums int8 x int8 products exactly here (checked once, on codes that pair
     +127 * +127 products). Without VNNI, oneDNN's int8 GEMM adds pairs of products in int16 and saturates (measured
@@ -374,8 +400,10 @@ def quantize_model(model: nn.Module, scheme: str | QuantScheme, compute: str = "
         if isinstance(module, QuantizedLinear):
             raise PosttrainError(f"quantize_model: {name} is already quantized ({module.scheme.name})")
         if type(module) is not nn.Linear:
-            raise PosttrainError(f"quantize_model: {name} is a {type(module).__name__}, not nn.Linear "
-                                 "(quantize before applying LoRA or QAT)")
+            raise PosttrainError(
+                f"quantize_model: {name} is a {type(module).__name__}, not nn.Linear "
+                "(quantize before applying LoRA or QAT)"
+            )
         replace_module(model, name, QuantizedLinear.from_linear(module, scheme, compute, source=name))
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "extra"):
@@ -388,8 +416,13 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn
     or to trade memory for fp32 speed)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                               device=module.qweight.device, dtype=dtype)
+            linear = nn.Linear(
+                module.in_features,
+                module.out_features,
+                bias=module.bias is not None,
+                device=module.qweight.device,
+                dtype=dtype,
+            )
             with torch.no_grad():
                 linear.weight.copy_(module.dequantize(dtype))
                 if module.bias is not None:

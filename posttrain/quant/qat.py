@@ -54,8 +54,10 @@ class FakeQuantLinear(nn.Module):
         return F.linear(x, self.quantized_weight(), self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 def prepare_qat(model: nn.Module, scheme: str | QuantScheme) -> nn.Module:

@@ -93,8 +93,9 @@ def _samples_html(samples: dict[int, list[dict[str, Any]]]) -> str:
     for step in steps:
         rewards = [r["reward"] for r in samples[step] if isinstance(r.get("reward"), (int, float))]
         mean = sum(rewards) / len(rewards) if rewards else None
-        parts.append(f"<tr><td class=num>{step}</td><td class=num>{len(samples[step])}</td>"
-                     f"<td class=num>{_fmt(mean)}</td></tr>")
+        parts.append(
+            f"<tr><td class=num>{step}</td><td class=num>{len(samples[step])}</td><td class=num>{_fmt(mean)}</td></tr>"
+        )
     parts.append("</table>")
     shown = pick_steps(steps)
     # The held-out prompts are the same at every evaluation: follow the first few across steps.
@@ -149,42 +150,55 @@ def _summary_line(data: RunData, series: dict[str, Series]) -> str:
 
 def build_html(data: RunData, drawn: list[tuple[Panel | None, Path, list[str]]], series: dict[str, Series]) -> str:
     title = html.escape(data.name)
-    out = [f"<!doctype html><html><head><meta charset=utf-8><title>{title} · posttrain report</title>",
-           f"<style>{CSS}</style></head><body>", f"<h1>{title}</h1>",
-           f"<p class=meta>{html.escape(str(data.run_dir.resolve()))}<br>{html.escape(_summary_line(data, series))}"
-           f"<br>generated {dt.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by posttrain report</p>"]
+    out = [
+        f"<!doctype html><html><head><meta charset=utf-8><title>{title} · posttrain report</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{title}</h1>",
+        f"<p class=meta>{html.escape(str(data.run_dir.resolve()))}<br>{html.escape(_summary_line(data, series))}"
+        f"<br>generated {dt.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by posttrain report</p>",
+    ]
     for note in data.notes:
         out.append(f"<p class=note>{html.escape(note)}</p>")
     rows = headline_rows(drawn, series)
     if rows:
-        out.append("<h2>Headline numbers</h2><table><tr><th>metric</th><th>first</th><th>last</th><th>best</th>"
-                   "<th>points</th></tr>")
+        out.append(
+            "<h2>Headline numbers</h2><table><tr><th>metric</th><th>first</th><th>last</th><th>best</th>"
+            "<th>points</th></tr>"
+        )
         for row in rows:
             best = f"{_fmt(row['best'][0])} (step {row['best'][1]})" if row["best"] else "–"
             kind = " (eval)" if is_eval_key(row["key"]) else ""
-            out.append(f"<tr><td>{html.escape(row['key'])}{kind}</td><td class=num>{_fmt(row['first'])}</td>"
-                       f"<td class=num>{_fmt(row['last'])}</td><td class=num>{best}</td>"
-                       f"<td class=num>{row['n']}</td></tr>")
+            out.append(
+                f"<tr><td>{html.escape(row['key'])}{kind}</td><td class=num>{_fmt(row['first'])}</td>"
+                f"<td class=num>{_fmt(row['last'])}</td><td class=num>{best}</td>"
+                f"<td class=num>{row['n']}</td></tr>"
+            )
         out.append("</table>")
     if drawn:
-        out.append("<h2>Curves</h2><p class=meta>Training curves: raw (faint) and an exponential moving average; "
-                   "evaluation metrics: dashed with markers.</p><div class=plots>")
+        out.append(
+            "<h2>Curves</h2><p class=meta>Training curves: raw (faint) and an exponential moving average; "
+            "evaluation metrics: dashed with markers.</p><div class=plots>"
+        )
         for panel, path, _ in drawn:
             encoded = base64.b64encode(path.read_bytes()).decode("ascii")
             alt = html.escape(panel.title if panel else "Step time")
-            out.append(f"<figure><img alt=\"{alt}\" src=\"data:image/png;base64,{encoded}\"></figure>")
+            out.append(f'<figure><img alt="{alt}" src="data:image/png;base64,{encoded}"></figure>')
         out.append("</div>")
     if data.samples:
         out.append("<h2>Sample completions by step</h2>" + _samples_html(data.samples))
     strings = _string_metrics(data.records)
     if strings:
         out.append("<h2>Messages</h2><table><tr><th>metric</th><th>first step</th><th>value</th></tr>")
-        out.extend(f"<tr><td>{html.escape(k)}</td><td class=num>{s}</td><td class=text>{html.escape(v)}</td></tr>"
-                   for k, s, v in strings[:50])
+        out.extend(
+            f"<tr><td>{html.escape(k)}</td><td class=num>{s}</td><td class=text>{html.escape(v)}</td></tr>"
+            for k, s, v in strings[:50]
+        )
         out.append("</table>")
     if data.config_text is not None:
-        out.append(f"<h2>Config</h2><details open><summary>config.yaml</summary><pre>{html.escape(data.config_text)}"
-                   "</pre></details>")
+        out.append(
+            f"<h2>Config</h2><details open><summary>config.yaml</summary><pre>{html.escape(data.config_text)}"
+            "</pre></details>"
+        )
     for name, text in data.summaries.items():
         out.append(f"<details><summary>{html.escape(name)}</summary><pre>{html.escape(text)}</pre></details>")
     out.append("</body></html>")

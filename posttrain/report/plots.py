@@ -47,18 +47,41 @@ class Panel:
 
 PANELS: tuple[Panel, ...] = (
     Panel("loss", "Loss", "loss", ("loss", "loss/policy", "loss/value", "eval_loss"), better="min"),
-    Panel("reward", "Reward", "reward", ("reward/mean", "reward/task/mean", "reward/*/mean", "eval/reward_mean"),
-          better="max", bands=(("reward/mean", "reward/std"),)),
-    Panel("accuracy", "Accuracy", "fraction correct", ("eval/accuracy", "rewards/accuracies", "eval_rewards_accuracies"),
-          better="max"),
-    Panel("preference", "Implicit rewards", "reward", ("rewards/chosen", "rewards/rejected", "rewards/margins",
-                                                        "eval_rewards_margins")),
+    Panel(
+        "reward",
+        "Reward",
+        "reward",
+        ("reward/mean", "reward/task/mean", "reward/*/mean", "eval/reward_mean"),
+        better="max",
+        bands=(("reward/mean", "reward/std"),),
+    ),
+    Panel(
+        "accuracy",
+        "Accuracy",
+        "fraction correct",
+        ("eval/accuracy", "rewards/accuracies", "eval_rewards_accuracies"),
+        better="max",
+    ),
+    Panel(
+        "preference",
+        "Implicit rewards",
+        "reward",
+        ("rewards/chosen", "rewards/rejected", "rewards/margins", "eval_rewards_margins"),
+    ),
     Panel("kl", "KL divergence", "KL (nats / token)", ("kl", "approx_kl", "kl/in_reward_mean"), better="min"),
     Panel("entropy", "Policy entropy", "nats / token", ("entropy",)),
-    Panel("response_length", "Response length", "tokens", ("response_len/mean", "response_len/max",
-                                                          "eval/response_len_mean")),
-    Panel("clipping", "Clipped fractions", "fraction", ("clip_frac/low", "clip_frac/high", "response_len/clipped_frac",
-                                                        "value/clip_frac")),
+    Panel(
+        "response_length",
+        "Response length",
+        "tokens",
+        ("response_len/mean", "response_len/max", "eval/response_len_mean"),
+    ),
+    Panel(
+        "clipping",
+        "Clipped fractions",
+        "fraction",
+        ("clip_frac/low", "clip_frac/high", "response_len/clipped_frac", "value/clip_frac"),
+    ),
     Panel("optimization", "Gradient norm and learning rate", "gradient norm", ("grad_norm",), twin=("lr",)),
     Panel("throughput", "Throughput", "tokens / s", ("tokens/train_per_s", "tokens/rollout_per_s")),
     Panel("memory", "Peak memory", "GiB", ("memory/*",)),
@@ -160,8 +183,15 @@ def plot_panel(panel: Panel, series: dict[str, Series], path: Path) -> list[str]
                 span = smoothing_span(len(mean))
                 mean, std = ema(mean, span), ema(std, span)
             color = COLORS[keys.index(mean_key) % len(COLORS)]
-            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                            color=color, alpha=0.1, linewidth=0, label=f"± {std_key}")
+            ax.fill_between(
+                steps,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                color=color,
+                alpha=0.1,
+                linewidth=0,
+                label=f"± {std_key}",
+            )
     ax.set_title(panel.title, fontsize=11)
     ax.set_ylabel(panel.ylabel)
     handles, labels = ax.get_legend_handles_labels()

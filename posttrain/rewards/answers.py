@@ -116,6 +116,7 @@ def gsm8k(prompts: list, completions: list, answer: list, **kwargs: Any) -> list
 
 # ---- \boxed{} answers ------------------------------------------------------------------------------
 
+
 def last_boxed(text: str) -> str | None:
     """The contents of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces included;
     None if there is none or its braces never close."""

@@ -80,13 +80,18 @@ def parse_tests(value: Any, *, index: int = 0) -> list[CodeCase] | None:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         cases = []
         for case in value:
-            if not (isinstance(case, Mapping) and isinstance(case.get("input", ""), str)
-                    and isinstance(case.get("output"), str)):
+            if not (
+                isinstance(case, Mapping)
+                and isinstance(case.get("input", ""), str)
+                and isinstance(case.get("output"), str)
+            ):
                 raise TypeError(f"tests[{index}]: each case must be {{'input': str, 'output': str}}, got {case!r:.80}")
             cases.append(CodeCase(stdin=case.get("input", ""), expected=case["output"]))
         return cases or None
-    raise TypeError(f"tests[{index}] is a {type(value).__name__}; expected a list of {{'input', 'output'}} cases, "
-                    f"{{'inputs': [...], 'outputs': [...]}} or a string of assert statements")
+    raise TypeError(
+        f"tests[{index}] is a {type(value).__name__}; expected a list of {{'input', 'output'}} cases, "
+        f"{{'inputs': [...], 'outputs': [...]}} or a string of assert statements"
+    )
 
 
 def _assert_cases(source: str, index: int) -> list[CodeCase]:
@@ -98,15 +103,17 @@ def _assert_cases(source: str, index: int) -> list[CodeCase]:
     asserts = [k for k, node in enumerate(statements) if isinstance(node, ast.Assert)]
     if not asserts:
         return [CodeCase(check=source)]
-    return [CodeCase(check="\n".join(segments[j] for j in range(k + 1) if j == k or j not in asserts))
-            for k in asserts]
+    return [CodeCase(check="\n".join(segments[j] for j in range(k + 1) if j == k or j not in asserts)) for k in asserts]
 
 
 def _passed(case: CodeCase, result: SandboxResult) -> bool:
     if case.check is not None:
         return bool(result.check_passed)
-    return (result.exit_code == 0 and not result.stdout_truncated
-            and normalize_output(result.stdout) == normalize_output(case.expected or ""))
+    return (
+        result.exit_code == 0
+        and not result.stdout_truncated
+        and normalize_output(result.stdout) == normalize_output(case.expected or "")
+    )
 
 
 def code_reward(
@@ -125,8 +132,14 @@ def code_reward(
     remaining cases are skipped. `python`: the interpreter inside the sandbox (default: this one)."""
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
         raise RewardError(f"code_tests: max_workers must be a positive integer, got {max_workers!r}")
-    limits = dict(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_bytes=int(memory_mb * 2**20),
-                  file_bytes=int(file_mb * 2**20), max_processes=max_processes, python=python)
+    limits = dict(
+        cpu_seconds=cpu_seconds,
+        wall_seconds=wall_seconds,
+        memory_bytes=int(memory_mb * 2**20),
+        file_bytes=int(file_mb * 2**20),
+        max_processes=max_processes,
+        python=python,
+    )
 
     def code_tests(prompts: list, completions: list, tests: list, **kwargs: Any) -> list[float | None]:
         """Fraction of the row's tests the completion's program passes; None where a run left the sandbox's limits."""
@@ -155,8 +168,10 @@ def code_reward(
         passed = [0] * len(completions)
         for (i, _), outcome in zip(jobs, outcomes):
             passed[i] += bool(outcome)
-        return [None if not sample_cases or i in unscorable else passed[i] / len(sample_cases)
-                for i, sample_cases in enumerate(cases)]
+        return [
+            None if not sample_cases or i in unscorable else passed[i] / len(sample_cases)
+            for i, sample_cases in enumerate(cases)
+        ]
 
     code_tests.limits = limits  # type: ignore[attr-defined]  # shown in logs and errors
     return code_tests

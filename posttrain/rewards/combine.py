@@ -153,13 +153,24 @@ def compute_rewards(
 def _log_failure(spec: RewardSpec, batch_size: int, error: BaseException) -> None:
     """A warning with the traceback the first time `spec` raises; later failures only at debug level."""
     if spec._failures.logged:
-        logger.debug("reward %r raised again on a batch of %d samples: %s: %s",
-                     spec.name, batch_size, type(error).__name__, error)
+        logger.debug(
+            "reward %r raised again on a batch of %d samples: %s: %s",
+            spec.name,
+            batch_size,
+            type(error).__name__,
+            error,
+        )
         return
     spec._failures.logged = True
-    logger.warning("reward %r raised on a batch of %d samples; they are unscorable for it (shown once: later "
-                   "failures of this reward are not logged again, but still count as unscorable): %s: %s",
-                   spec.name, batch_size, type(error).__name__, error, exc_info=error)
+    logger.warning(
+        "reward %r raised on a batch of %d samples; they are unscorable for it (shown once: later "
+        "failures of this reward are not logged again, but still count as unscorable): %s: %s",
+        spec.name,
+        batch_size,
+        type(error).__name__,
+        error,
+        exc_info=error,
+    )
 
 
 def _validate_batch(
@@ -183,8 +194,9 @@ def _validate_batch(
         if key in FIXED_ARGUMENTS:
             raise RewardError(f"compute_rewards: column {key!r} clashes with the reward argument of that name")
         if not hasattr(values, "__len__") or isinstance(values, (str, bytes)):
-            raise RewardError(f"compute_rewards: column {key!r} must be a list aligned with the batch, "
-                              f"got {type(values).__name__}")
+            raise RewardError(
+                f"compute_rewards: column {key!r} must be a list aligned with the batch, got {type(values).__name__}"
+            )
         if len(values) != batch_size:
             raise RewardError(f"compute_rewards: column {key!r} has {len(values)} values for a batch of {batch_size}")
     return batch_size
@@ -197,8 +209,10 @@ def _as_tensor(name: str, values: Any, batch_size: int) -> torch.Tensor:
     elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
-        raise RewardError(f"reward {name!r} returned a {type(values).__name__}; expected a list of {batch_size} "
-                          f"floats (None for unscorable samples)")
+        raise RewardError(
+            f"reward {name!r} returned a {type(values).__name__}; expected a list of {batch_size} "
+            f"floats (None for unscorable samples)"
+        )
     if len(values) != batch_size:
         raise RewardError(f"reward {name!r} returned {len(values)} values for a batch of {batch_size}")
     out = []
@@ -209,18 +223,21 @@ def _as_tensor(name: str, values: Any, batch_size: int) -> torch.Tensor:
         if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or numpy scalar
             value = value.item()
         if not isinstance(value, numbers.Real):
-            raise RewardError(f"reward {name!r} returned a {type(value).__name__} at index {i}; "
-                              f"expected a float or None")
+            raise RewardError(
+                f"reward {name!r} returned a {type(value).__name__} at index {i}; expected a float or None"
+            )
         value = float(value)
         if math.isinf(value):
-            raise RewardError(f"reward {name!r} returned {value} at index {i}; rewards must be finite "
-                              f"(None if unscorable)")
+            raise RewardError(
+                f"reward {name!r} returned {value} at index {i}; rewards must be finite (None if unscorable)"
+            )
         out.append(value)
     return torch.tensor(out, dtype=torch.float32)  # (B,)
 
 
 def _await_all(awaitables: list[Any]) -> list[Any]:
     """Await every awaitable concurrently; an exception comes back in its slot instead of being raised."""
+
     async def gather() -> list[Any]:
         return await asyncio.gather(*awaitables, return_exceptions=True)
 

@@ -50,6 +50,7 @@ def _plain(fn: RewardFn) -> Callable[[str | None, dict[str, Any]], RewardFn]:
         if options:
             raise RewardError(f"reward {fn.__name__!r} takes no options, got {', '.join(options)}")
         return fn
+
     return make
 
 
@@ -60,6 +61,7 @@ def _factory(factory: Callable[..., RewardFn], name: str) -> Callable[[str | Non
             return factory(*args, **options)
         except TypeError as error:  # unknown or missing option
             raise RewardError(f"reward {name!r}: {error} (usage: {BUILTINS[name].usage})") from None
+
     return make
 
 
@@ -79,15 +81,23 @@ BUILTINS: dict[str, Builtin] = {
     "format": Builtin(_factory(format_reward, "format"), "text", "format:<regex>"),
     "think_format": Builtin(
         lambda argument, options: _factory(format_reward, "think_format")(THINK_ANSWER_PATTERN, options),
-        "none", "think_format"),
-    "length_penalty": Builtin(_factory(length_penalty, "length_penalty"), "options",
-                              "length_penalty:max_len=<int>[,penalty_factor=<float>]"),
-    "overlong_penalty": Builtin(_factory(overlong_penalty, "overlong_penalty"), "options",
-                                "overlong_penalty:max_len=<int>,cache_len=<int>[,penalty_factor=<float>]"),
+        "none",
+        "think_format",
+    ),
+    "length_penalty": Builtin(
+        _factory(length_penalty, "length_penalty"), "options", "length_penalty:max_len=<int>[,penalty_factor=<float>]"
+    ),
+    "overlong_penalty": Builtin(
+        _factory(overlong_penalty, "overlong_penalty"),
+        "options",
+        "overlong_penalty:max_len=<int>,cache_len=<int>[,penalty_factor=<float>]",
+    ),
     "reward_model": Builtin(_factory(_reward_model, "reward_model"), "text", "reward_model:<model dir>"),
-    "code_tests": Builtin(_factory(code_reward, "code_tests"), "options",
-                          "code_tests[:cpu_seconds=<s>,wall_seconds=<s>,memory_mb=<MiB>,file_mb=<MiB>,"
-                          "max_processes=<n>,max_workers=<n>]"),
+    "code_tests": Builtin(
+        _factory(code_reward, "code_tests"),
+        "options",
+        "code_tests[:cpu_seconds=<s>,wall_seconds=<s>,memory_mb=<MiB>,file_mb=<MiB>,max_processes=<n>,max_workers=<n>]",
+    ),
 }
 
 
@@ -105,8 +115,9 @@ def load_reward(spec: str, **options: Any) -> RewardFn:
     else:
         file_part, sep, function_name = spec.rpartition(":")
         if not sep or not file_part.endswith(".py"):
-            raise RewardError(f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTINS)}) "
-                              f"or path/to/file.py:function")
+            raise RewardError(
+                f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTINS)}) or path/to/file.py:function"
+            )
         if options:
             raise RewardError(f"reward {spec!r}: options ({', '.join(options)}) apply to built-ins only")
         fn = load_reward_from_file(Path(file_part), function_name)
@@ -114,8 +125,9 @@ def load_reward(spec: str, **options: Any) -> RewardFn:
     return fn
 
 
-def load_reward_specs(specs: Sequence[str], columns: Sequence[str],
-                      weights: Sequence[float] | None = None) -> list[RewardSpec]:
+def load_reward_specs(
+    specs: Sequence[str], columns: Sequence[str], weights: Sequence[float] | None = None
+) -> list[RewardSpec]:
     """One `RewardSpec` per spec string, named by the spec, with its weight in the total (`weights`, one per
     spec; None: 1 each). Each function's signature is checked against what it will be called with: the rows'
     `columns` (every key but the prompt) plus `completion_ids`, so a bad spec fails before any generation.
@@ -178,10 +190,15 @@ def load_reward_from_file(path: Path, function_name: str) -> RewardFn:
         raise RewardError(f"reward file {path}: {function_name!r} is not a function name (spec path.py:function)")
     module = _import_file(path.resolve())
     if not hasattr(module, function_name):
-        defined = sorted(k for k, v in vars(module).items()
-                         if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__)
-        raise RewardError(f"reward file {path}: no function {function_name!r} "
-                          f"(it defines: {', '.join(defined) or 'no public functions'})")
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
+        raise RewardError(
+            f"reward file {path}: no function {function_name!r} "
+            f"(it defines: {', '.join(defined) or 'no public functions'})"
+        )
     fn = getattr(module, function_name)
     if not callable(fn):
         raise RewardError(f"reward file {path}: {function_name!r} is a {type(fn).__name__}, not a callable")

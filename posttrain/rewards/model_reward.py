@@ -59,20 +59,24 @@ def load_score_head(directory: str | Path, hidden_size: int) -> nn.Linear:
     """Read <directory>/score.safetensors into an fp32 nn.Linear(hidden_size, 1), checking names and shapes."""
     path = Path(directory) / SCORE_HEAD_FILE
     if not path.is_file():
-        raise CheckpointError(f"{Path(directory)}: no {SCORE_HEAD_FILE} "
-                              f"(a reward model directory needs its score head)")
+        raise CheckpointError(
+            f"{Path(directory)}: no {SCORE_HEAD_FILE} (a reward model directory needs its score head)"
+        )
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(f"{path}: cannot read safetensors ({error})") from None
     unexpected = sorted(set(tensors) - {SCORE_WEIGHT, SCORE_BIAS})
     if SCORE_WEIGHT not in tensors or unexpected:
-        raise CheckpointError(f"{path}: expected tensors {SCORE_WEIGHT!r} (+ optional {SCORE_BIAS!r}), "
-                              f"found {', '.join(sorted(tensors)) or 'none'}")
+        raise CheckpointError(
+            f"{path}: expected tensors {SCORE_WEIGHT!r} (+ optional {SCORE_BIAS!r}), "
+            f"found {', '.join(sorted(tensors)) or 'none'}"
+        )
     weight = tensors[SCORE_WEIGHT]
     if tuple(weight.shape) != (1, hidden_size):
-        raise CheckpointError(f"{path}: {SCORE_WEIGHT!r} has shape {tuple(weight.shape)}, "
-                              f"the model needs (1, {hidden_size})")
+        raise CheckpointError(
+            f"{path}: {SCORE_WEIGHT!r} has shape {tuple(weight.shape)}, the model needs (1, {hidden_size})"
+        )
     bias = tensors.get(SCORE_BIAS)
     if bias is not None and tuple(bias.shape) != (1,):
         raise CheckpointError(f"{path}: {SCORE_BIAS!r} has shape {tuple(bias.shape)}, expected (1,)")
@@ -91,8 +95,10 @@ def encode_for_scoring(tokenizer: Tokenizer, prompt: Any, completion: Any) -> li
     if _is_messages(prompt) and _is_messages(completion):
         ids = tokenizer.apply_chat_template(list(prompt) + list(completion), add_generation_prompt=False, tokenize=True)
         return list(ids)
-    raise TypeError(f"prompt and completion must both be strings or both be chat message lists, "
-                    f"got {type(prompt).__name__} and {type(completion).__name__}")
+    raise TypeError(
+        f"prompt and completion must both be strings or both be chat message lists, "
+        f"got {type(prompt).__name__} and {type(completion).__name__}"
+    )
 
 
 def _is_messages(value: Any) -> bool:
@@ -109,7 +115,7 @@ def tokenize_pair_for_scoring(tokenizer: Any, example: Preference, cfg: DataConf
         if len(ids) > cfg.max_length:
             if cfg.overlong == "skip":
                 raise RowError(f"too long: {len(ids)} tokens > max_length {cfg.max_length} (data.overlong=skip)")
-            ids = ids[-cfg.max_length:]
+            ids = ids[-cfg.max_length :]
         if not ids:
             raise RowError("encodes to no tokens")
         rows.append(TokenizedRow(ids, list(ids)))
@@ -145,8 +151,11 @@ class RewardModelScorer:
             directory = Path(model_path_or_module).expanduser()
             if not directory.is_dir():
                 raise CheckpointError(f"{directory}: reward model directory not found")
-            target = torch.device(device) if device is not None else torch.device(
-                "cuda" if torch.cuda.is_available() else "cpu")
+            target = (
+                torch.device(device)
+                if device is not None
+                else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            )
             torch_dtype = parse_dtype(dtype) or (torch.float32 if target.type == "cpu" else torch.bfloat16)
             model = load_hf_dir(directory, dtype=torch_dtype, device=target).eval()
             tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(directory)
@@ -158,8 +167,10 @@ class RewardModelScorer:
             if device is not None or dtype is not None:
                 raise RewardError("RewardModelScorer: device / dtype apply to a directory; move the module yourself")
         else:
-            raise RewardError(f"RewardModelScorer: expected a reward model directory or a posttrain Transformer, "
-                              f"got {type(model_path_or_module).__name__}")
+            raise RewardError(
+                f"RewardModelScorer: expected a reward model directory or a posttrain Transformer, "
+                f"got {type(model_path_or_module).__name__}"
+            )
         hidden = model.config.hidden_size
         if not isinstance(score_head, nn.Linear) or (score_head.in_features, score_head.out_features) != (hidden, 1):
             raise RewardError(f"RewardModelScorer: score_head must be nn.Linear({hidden}, 1), got {score_head!r}")
@@ -172,7 +183,7 @@ class RewardModelScorer:
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
         if len(prompts) != len(completions):
             raise ValueError(f"RewardModelScorer: {len(prompts)} prompts but {len(completions)} completions")
-        sequences = [encode_for_scoring(self.tokenizer, p, c)[-self.max_length:] for p, c in zip(prompts, completions)]
+        sequences = [encode_for_scoring(self.tokenizer, p, c)[-self.max_length :] for p, c in zip(prompts, completions)]
         return self.score_ids(sequences)
 
     @torch.inference_mode()
@@ -182,7 +193,7 @@ class RewardModelScorer:
         order = sorted((i for i, ids in enumerate(sequences) if len(ids) > 0), key=lambda i: len(sequences[i]))
         device = self.model.device
         for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             lengths = torch.tensor([len(sequences[i]) for i in chunk], device=device)  # (b,)
             ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long, device=device)  # (b, T)
             for row, i in enumerate(chunk):

@@ -116,9 +116,17 @@ def run_sandboxed(
 
     Raises SandboxError when the sandbox cannot be set up; whatever the program does is a result.
     """
-    _check_limits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_bytes=memory_bytes,
-                  file_bytes=file_bytes, max_processes=max_processes, max_open_files=max_open_files,
-                  scratch_bytes=scratch_bytes, max_output_bytes=max_output_bytes, max_stderr_bytes=max_stderr_bytes)
+    _check_limits(
+        cpu_seconds=cpu_seconds,
+        wall_seconds=wall_seconds,
+        memory_bytes=memory_bytes,
+        file_bytes=file_bytes,
+        max_processes=max_processes,
+        max_open_files=max_open_files,
+        scratch_bytes=scratch_bytes,
+        max_output_bytes=max_output_bytes,
+        max_stderr_bytes=max_stderr_bytes,
+    )
     interpreter, expose = _interpreter(python or sys.executable)
     uid = _run_uid() if os.geteuid() == 0 else None
     nonce = secrets.token_hex(16)
@@ -134,19 +142,35 @@ def run_sandboxed(
         runner_r, runner_w = os.pipe()
         fds += [code_fd, supervisor_r, supervisor_w, runner_r, runner_w]
         config = {
-            "python": interpreter, "expose": expose if uid is not None else [], "scratch": scratch, "uid": uid,
-            "scratch_bytes": scratch_bytes, "max_processes": max_processes, "guard": python_guard,
-            "namespaces": namespaces, "source": _CHILD_SOURCE,
-            "code_fd": code_fd, "supervisor_fd": supervisor_w, "runner_fd": runner_w,
-            "limits": {"cpu_seconds": max(1, int(-(-cpu_seconds // 1))), "memory_bytes": memory_bytes,
-                       "file_bytes": file_bytes, "open_files": max_open_files},
+            "python": interpreter,
+            "expose": expose if uid is not None else [],
+            "scratch": scratch,
+            "uid": uid,
+            "scratch_bytes": scratch_bytes,
+            "max_processes": max_processes,
+            "guard": python_guard,
+            "namespaces": namespaces,
+            "source": _CHILD_SOURCE,
+            "code_fd": code_fd,
+            "supervisor_fd": supervisor_w,
+            "runner_fd": runner_w,
+            "limits": {
+                "cpu_seconds": max(1, int(-(-cpu_seconds // 1))),
+                "memory_bytes": memory_bytes,
+                "file_bytes": file_bytes,
+                "open_files": max_open_files,
+            },
         }
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
                 [interpreter, "-I", "-S", "-B", "-c", _CHILD_SOURCE, "launch", json.dumps(config)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=scratch,
-                env=_scrubbed_env(scratch), pass_fds=(code_fd, supervisor_w, runner_w),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=scratch,
+                env=_scrubbed_env(scratch),
+                pass_fds=(code_fd, supervisor_w, runner_w),
                 start_new_session=True,  # its own process group: the wall-clock kill takes all of it
             )
         except OSError as error:
@@ -154,8 +178,15 @@ def run_sandboxed(
         for fd in (code_fd, supervisor_w, runner_w):  # the children hold these now
             os.close(fd)
             fds.remove(fd)
-        streams = _exchange(proc, stdin.encode("utf-8"), supervisor_r, runner_r, start + wall_seconds,
-                            max_output_bytes, max_stderr_bytes)
+        streams = _exchange(
+            proc,
+            stdin.encode("utf-8"),
+            supervisor_r,
+            runner_r,
+            start + wall_seconds,
+            max_output_bytes,
+            max_stderr_bytes,
+        )
         wall = time.monotonic() - start
     finally:
         if proc is not None:
@@ -176,17 +207,48 @@ def _scrubbed_env(scratch: str) -> dict[str, str]:
     # Built from nothing: the host's variables (API keys, tokens, paths) are never passed on.
     # MALLOC_ARENA_MAX: glibc reserves 64 MiB of address space per thread arena, which would eat the
     # address-space limit of a program with a few threads without it using any memory.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "HOME": scratch, "TMPDIR": scratch, "MALLOC_ARENA_MAX": "2"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": scratch,
+        "TMPDIR": scratch,
+        "MALLOC_ARENA_MAX": "2",
+    }
 
 
 # Host variables the standard library itself looks up (tempfile, getpass, shutil.get_terminal_size,
 # locale, ...): a program asking for them is not after a secret, so they are not reported.
-_HARMLESS_HOST_NAMES = frozenset({
-    "USER", "LOGNAME", "USERNAME", "LNAME", "HOME", "SHELL", "PWD", "OLDPWD", "TERM", "COLUMNS", "LINES",
-    "TMPDIR", "TEMP", "TMP", "TZ", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "PATH",
-    "NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM", "HOSTNAME", "DISPLAY",
-})
+_HARMLESS_HOST_NAMES = frozenset(
+    {
+        "USER",
+        "LOGNAME",
+        "USERNAME",
+        "LNAME",
+        "HOME",
+        "SHELL",
+        "PWD",
+        "OLDPWD",
+        "TERM",
+        "COLUMNS",
+        "LINES",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "TZ",
+        "LANG",
+        "LANGUAGE",
+        "LC_ALL",
+        "LC_CTYPE",
+        "LC_MESSAGES",
+        "PATH",
+        "NO_COLOR",
+        "FORCE_COLOR",
+        "TERM_PROGRAM",
+        "HOSTNAME",
+        "DISPLAY",
+    }
+)
 
 
 def _host_names() -> dict:
@@ -214,7 +276,7 @@ def _memfd(data: bytes) -> int:
     fd = os.memfd_create("posttrain-sandbox-code")
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -229,8 +291,13 @@ def _interpreter(python: str) -> tuple[str, list[list[str]]]:
     if real == os.path.realpath(sys.executable):
         prefix = sys.base_prefix
     else:
-        probe = subprocess.run([real, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"],
-                               capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        probe = subprocess.run(
+            [real, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": "/usr/bin:/bin"},
+        )
         prefix = probe.stdout.strip() or os.path.dirname(os.path.dirname(real))
     expose = []
     for path in sorted({os.path.realpath(prefix), os.path.dirname(real)}):
@@ -265,15 +332,25 @@ class _Streams:
     output_overflow: bool = False
 
 
-def _exchange(proc: subprocess.Popen[bytes], data: bytes, supervisor_fd: int, runner_fd: int, deadline: float,
-              max_output: int, max_stderr: int) -> _Streams:
+def _exchange(
+    proc: subprocess.Popen[bytes],
+    data: bytes,
+    supervisor_fd: int,
+    runner_fd: int,
+    deadline: float,
+    max_output: int,
+    max_stderr: int,
+) -> _Streams:
     """Feed stdin and collect stdout, stderr and both report channels until they close and the launcher
     exits, or the deadline passes, or stdout overflows. Kills nothing: the caller does that."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     streams = _Streams(bytearray(), bytearray(), bytearray(), bytearray())
-    sinks = {proc.stdout.fileno(): (streams.stdout, max_output, "stdout"),
-             proc.stderr.fileno(): (streams.stderr, max_stderr, "stderr"),
-             supervisor_fd: (streams.supervisor, _CHANNEL_LIMIT, None), runner_fd: (streams.runner, _CHANNEL_LIMIT, None)}
+    sinks = {
+        proc.stdout.fileno(): (streams.stdout, max_output, "stdout"),
+        proc.stderr.fileno(): (streams.stderr, max_stderr, "stderr"),
+        supervisor_fd: (streams.supervisor, _CHANNEL_LIMIT, None),
+        runner_fd: (streams.runner, _CHANNEL_LIMIT, None),
+    }
     selector = selectors.DefaultSelector()
     for fd in sinks:
         selector.register(fd, selectors.EVENT_READ)
@@ -301,7 +378,7 @@ def _exchange(proc: subprocess.Popen[bytes], data: bytes, supervisor_fd: int, ru
                 fd = key.fd
                 if fd == stdin_fd:
                     try:
-                        pending = pending[os.write(fd, pending[:65536]):]
+                        pending = pending[os.write(fd, pending[:65536]) :]
                     except BlockingIOError:
                         continue
                     except BrokenPipeError:  # the program stopped reading: the rest of its input is dropped
@@ -316,7 +393,7 @@ def _exchange(proc: subprocess.Popen[bytes], data: bytes, supervisor_fd: int, ru
                     selector.unregister(fd)
                     continue
                 room = limit - len(buffer)
-                buffer += chunk[:max(room, 0)]
+                buffer += chunk[: max(room, 0)]
                 if len(chunk) > room:
                     if name == "stdout":
                         streams.stdout_truncated = streams.output_overflow = True
@@ -404,15 +481,18 @@ def _lines(buffer: bytearray) -> list[list[str]]:
     return [line.split(" ", 2) for line in buffer.decode("utf-8", "replace").splitlines() if line]
 
 
-def _verdict(streams: _Streams, wall: float, nonce: str, cpu_limit: float, has_check: bool,
-             guard: bool, dropped_uid: bool) -> SandboxResult:
+def _verdict(
+    streams: _Streams, wall: float, nonce: str, cpu_limit: float, has_check: bool, guard: bool, dropped_uid: bool
+) -> SandboxResult:
     supervisor, runner = _lines(streams.supervisor), _lines(streams.runner)
     for words in supervisor:
         if words[0] == "setup-error":
             message = " ".join(words[1:])
             if "Permission denied" in message and dropped_uid:
-                message += (" (on a root host the program runs as an unprivileged uid of its own: pass python= an "
-                            "interpreter everyone may read, or run where mount namespaces work)")
+                message += (
+                    " (on a root host the program runs as an unprivileged uid of its own: pass python= an "
+                    "interpreter everyone may read, or run where mount namespaces work)"
+                )
             raise SandboxError(f"sandbox setup failed: {message}")
     isolation = tuple(words[1] for words in supervisor if words[0] == "layer" and len(words) > 1)
     isolation += ("python-guard",) if guard else ()
@@ -447,10 +527,17 @@ def _verdict(streams: _Streams, wall: float, nonce: str, cpu_limit: float, has_c
     else:
         status = "ok"
     return SandboxResult(
-        status=status, exit_code=exit_code, signal=signum,
-        stdout=streams.stdout.decode("utf-8", "replace"), stderr=streams.stderr.decode("utf-8", "replace"),
-        stdout_truncated=streams.stdout_truncated, stderr_truncated=streams.stderr_truncated,
-        wall_seconds=wall, cpu_seconds=cpu, violations=violations, isolation=isolation,
+        status=status,
+        exit_code=exit_code,
+        signal=signum,
+        stdout=streams.stdout.decode("utf-8", "replace"),
+        stderr=streams.stderr.decode("utf-8", "replace"),
+        stdout_truncated=streams.stdout_truncated,
+        stderr_truncated=streams.stderr_truncated,
+        wall_seconds=wall,
+        cpu_seconds=cpu,
+        violations=violations,
+        isolation=isolation,
         check_passed=passed if status == "ok" else (False if has_check else None),
     )
 

@@ -83,6 +83,7 @@ class Channel:
 
 # ----------------------------------------------------------------------------------------------- launch
 
+
 def launch(cfg: dict) -> None:
     channel = Channel(cfg["supervisor_fd"])
     try:
@@ -108,8 +109,11 @@ def _enter_namespaces(cfg: dict) -> list:
         return []
     root = os.geteuid() == 0
     base = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
-    attempts = [(base | CLONE_NEWPID, ["netns", "mountns", "pidns"]), (base, ["netns", "mountns"]),
-                (CLONE_NEWNET, ["netns"])]
+    attempts = [
+        (base | CLONE_NEWPID, ["netns", "mountns", "pidns"]),
+        (base, ["netns", "mountns"]),
+        (CLONE_NEWNET, ["netns"]),
+    ]
     uid, gid = os.getuid(), os.getgid()
     for flags, layers in attempts:
         if _c().unshare(flags if root else flags | CLONE_NEWUSER) == 0:
@@ -302,19 +306,44 @@ def _exec_program(cfg: dict, nproc: int, workdir: str, channel: Channel) -> None
     # last: the address-space limit would also bound this launcher code if set earlier
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
     runner = {"code_fd": 3, "runner_fd": 4, "guard": cfg["guard"]}
-    os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-B", "-X", "utf8", "-c", cfg["source"], "run",
-                              json.dumps(runner), "posttrain-sandbox"], dict(os.environ))
+    os.execve(
+        cfg["python"],
+        [
+            cfg["python"],
+            "-I",
+            "-S",
+            "-B",
+            "-X",
+            "utf8",
+            "-c",
+            cfg["source"],
+            "run",
+            json.dumps(runner),
+            "posttrain-sandbox",
+        ],
+        dict(os.environ),
+    )
 
 
 # -------------------------------------------------------------------------------------------------- run
 
 # audit events (sys.addaudithook) the guard refuses, by kind; "ctypes.*" events are all refused too
 _BLOCKED_EVENTS = {
-    "socket.connect": "network", "socket.bind": "network", "socket.sendto": "network",
-    "socket.sendmsg": "network", "socket.getaddrinfo": "network", "socket.gethostbyname": "network",
-    "socket.gethostbyaddr": "network", "socket.getnameinfo": "network", "socket.sethostname": "network",
-    "os.exec": "exec", "os.posix_spawn": "exec", "os.spawn": "exec", "os.system": "exec",
-    "subprocess.Popen": "exec", "os.killpg": "signal",
+    "socket.connect": "network",
+    "socket.bind": "network",
+    "socket.sendto": "network",
+    "socket.sendmsg": "network",
+    "socket.getaddrinfo": "network",
+    "socket.gethostbyname": "network",
+    "socket.gethostbyaddr": "network",
+    "socket.getnameinfo": "network",
+    "socket.sethostname": "network",
+    "os.exec": "exec",
+    "os.posix_spawn": "exec",
+    "os.spawn": "exec",
+    "os.system": "exec",
+    "subprocess.Popen": "exec",
+    "os.killpg": "signal",
 }
 
 

@@ -61,16 +61,21 @@ def check_reward_signature(fn: Callable[..., Any], name: str, columns: Iterable[
     for param in params:
         required = param.default is inspect.Parameter.empty
         if param.kind is inspect.Parameter.POSITIONAL_ONLY and required:
-            raise RewardError(f"{prefix}: parameter {param.name!r} is positional-only, but reward functions are "
-                              f"called with keywords (prompts=, completions=, <column>=)")
+            raise RewardError(
+                f"{prefix}: parameter {param.name!r} is positional-only, but reward functions are "
+                f"called with keywords (prompts=, completions=, <column>=)"
+            )
         if param.name in keyword_names and required and param.name not in received:
             if column_names is None:
                 continue  # taken for a column; checked once the columns are known
-            raise RewardError(f"{prefix}: required parameter {param.name!r} is not one of the arguments it gets "
-                              f"({', '.join(received)}); rename it, give it a default, or add a column {param.name!r}")
+            raise RewardError(
+                f"{prefix}: required parameter {param.name!r} is not one of the arguments it gets "
+                f"({', '.join(received)}); rename it, give it a default, or add a column {param.name!r}"
+            )
     if not has_var_keyword:
         unaccepted = [key for key in received if key not in keyword_names]
         if unaccepted:
-            raise RewardError(f"{prefix}: it has no **kwargs and no parameter for {', '.join(map(repr, unaccepted))}; "
-                              f"add **kwargs to its signature")
-
+            raise RewardError(
+                f"{prefix}: it has no **kwargs and no parameter for {', '.join(map(repr, unaccepted))}; "
+                f"add **kwargs to its signature"
+            )

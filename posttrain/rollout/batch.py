@@ -78,8 +78,20 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
 
     return replace(
         first,
-        **{name: cat(name) for name in ("rows", "prompt_ids", "completion_ids", "texts", "rollout_logprobs",
-                                        "finish_reasons", "policy_versions", "rewards", "task_rewards")},
+        **{
+            name: cat(name)
+            for name in (
+                "rows",
+                "prompt_ids",
+                "completion_ids",
+                "texts",
+                "rollout_logprobs",
+                "finish_reasons",
+                "policy_versions",
+                "rewards",
+                "task_rewards",
+            )
+        },
         per_function={k: torch.cat([b.per_function[k] for b in batches]) for k in first.per_function},
         reward_errors=[e for b in batches for e in b.reward_errors],
     )

@@ -124,8 +124,12 @@ def collect_rollout(
         return merged.select_groups(list(range(min(num_prompts, merged.num_groups)))), stats
     # Every rank's kept groups, ordered by place: the single process's kept batch; its first num_prompts.
     ranks = all_gather_objects((merged, kept_places))
-    gathered = [(place, rank_batch, g) for rank_batch, places in ranks
-                if rank_batch is not None for g, place in enumerate(places)]
+    gathered = [
+        (place, rank_batch, g)
+        for rank_batch, places in ranks
+        if rank_batch is not None
+        for g, place in enumerate(places)
+    ]
     gathered.sort(key=lambda item: item[0])  # (place, the rank's kept batch, the group's index in it)
     take = min(num_prompts, len(gathered))
     take -= take % len(ranks)  # the same number of whole groups on every rank

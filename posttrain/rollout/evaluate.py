@@ -17,15 +17,18 @@ from posttrain.rollout.scoring import score_groups
 
 @torch.no_grad()
 def evaluate(
-    llm: LLM, rows: list[dict[str, Any]], specs: list[RewardSpec], max_tokens: int, threshold: float,
+    llm: LLM,
+    rows: list[dict[str, Any]],
+    specs: list[RewardSpec],
+    max_tokens: int,
+    threshold: float,
     lockstep: EngineCall = nullcontext,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy accuracy on `rows`: the share of scorable samples whose total reward is >= threshold.
     `lockstep`: see generate_groups."""
     from posttrain.tasks import accuracy
 
-    batch = generate_groups(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens),
-                            lockstep=lockstep)
+    batch = generate_groups(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), lockstep=lockstep)
     batch = score_groups(batch, specs, None)
     rewards = batch.rewards.tolist()
     try:
@@ -40,8 +43,12 @@ def evaluate(
         "eval/num_prompts": len(rows),
     }
     samples = [
-        {"prompt": row[PROMPT_KEY], "completion": text, "reward": None if math.isnan(r) else r,
-         **{k: v for k, v in row.items() if k != PROMPT_KEY and isinstance(v, (str, int, float))}}
+        {
+            "prompt": row[PROMPT_KEY],
+            "completion": text,
+            "reward": None if math.isnan(r) else r,
+            **{k: v for k, v in row.items() if k != PROMPT_KEY and isinstance(v, (str, int, float))},
+        }
         for row, text, r in zip(batch.rows, batch.texts, rewards)
     ]
     return metrics, samples

@@ -13,9 +13,14 @@ from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
 EngineCall = Callable[[], AbstractContextManager[None]]  # a context around one engine call: `Parallel.rollout`'s
 
 
-def generate_groups(llm: LLM, rows: list[dict[str, Any]], params: SamplingParams,
-                    seeds: list[int] | None = None, use_tqdm: bool = False,
-                    lockstep: EngineCall = nullcontext) -> RolloutBatch:
+def generate_groups(
+    llm: LLM,
+    rows: list[dict[str, Any]],
+    params: SamplingParams,
+    seeds: list[int] | None = None,
+    use_tqdm: bool = False,
+    lockstep: EngineCall = nullcontext,
+) -> RolloutBatch:
     """n = params.n samples of each row's prompt from the engine, with their sampling logprobs; with `seeds`,
     row i's request is seeded with seeds[i] (its samples then depend on nothing else: not on the batch).
     `use_tqdm`: the engine's progress bar over the prompts. `lockstep`: the engine call runs inside it (under

@@ -42,7 +42,11 @@ class PromptData(Protocol):
 
 
 def prompt_row(
-    record: dict[str, Any], prompt_column: str, where: str, template: str | None = None, system_prompt: str | None = None,
+    record: dict[str, Any],
+    prompt_column: str,
+    where: str,
+    template: str | None = None,
+    system_prompt: str | None = None,
 ) -> dict[str, Any]:
     """A dataset record as a rollout row: the prompt column becomes `prompt` (a string gets `template`,
     formatted with the record's columns, and `system_prompt`, and becomes a one-turn chat); the other
@@ -53,8 +57,10 @@ def prompt_row(
         try:
             text = template.format(**record) if template else prompt
         except (KeyError, IndexError, ValueError) as error:
-            raise PosttrainError(f"{where}: prompt template {template!r} cannot be filled from this row "
-                                 f"({type(error).__name__}: {error}; columns: {', '.join(record)})") from None
+            raise PosttrainError(
+                f"{where}: prompt template {template!r} cannot be filled from this row "
+                f"({type(error).__name__}: {error}; columns: {', '.join(record)})"
+            ) from None
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         prompt = messages + [{"role": "user", "content": text}]
     elif not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
@@ -85,12 +91,15 @@ class DatasetPrompts:
         for number, record in _dataset_records(path):
             where = row_location(path, number)
             if cfg.prompt_column not in record:
-                raise PosttrainError(f"{where}: no prompt column {cfg.prompt_column!r} "
-                                     f"(columns: {', '.join(record) or 'none'}); set data.prompt_column")
+                raise PosttrainError(
+                    f"{where}: no prompt column {cfg.prompt_column!r} "
+                    f"(columns: {', '.join(record) or 'none'}); set data.prompt_column"
+                )
             rows.append(prompt_row(record, cfg.prompt_column, where, cfg.prompt_template, cfg.system_prompt))
         if len(rows) <= cfg.eval_size:
-            raise PosttrainError(f"{path}: {len(rows)} rows, not enough for data.eval_size={cfg.eval_size} held out "
-                                 "plus training rows")
+            raise PosttrainError(
+                f"{path}: {len(rows)} rows, not enough for data.eval_size={cfg.eval_size} held out plus training rows"
+            )
         split = len(rows) - cfg.eval_size
         self.train_rows, self.held_out_rows = rows[:split], rows[split:]
         self.rng = random.Random(cfg.seed)
@@ -116,8 +125,10 @@ class DatasetPrompts:
         version, words, gauss = state["rng"]
         order = [int(i) for i in state["order"]]
         if any(not 0 <= i < len(self.train_rows) for i in order):
-            raise PosttrainError(f"prompt source state: row index out of range for {len(self.train_rows)} training "
-                                 "rows (a different data file?)")
+            raise PosttrainError(
+                f"prompt source state: row index out of range for {len(self.train_rows)} training "
+                "rows (a different data file?)"
+            )
         self.rng.setstate((version, tuple(words), gauss))
         self.order = order
 
@@ -152,5 +163,7 @@ def check_prompt_lengths(source: PromptSource, held_out: list[dict[str, Any]], t
         ids = tokenizer.apply_chat_template(list(row[PROMPT_KEY]), add_generation_prompt=True, tokenize=True)
         if len(ids) > limit:
             where = f"training row {index}" if index < len(rows) - len(held_out) else "a held-out row"
-            raise PosttrainError(f"data: {where} has a prompt of {len(ids)} tokens, more than "
-                                 f"rollout.max_prompt_tokens={limit}; raise it (or drop long rows)")
+            raise PosttrainError(
+                f"data: {where} has a prompt of {len(ids)} tokens, more than "
+                f"rollout.max_prompt_tokens={limit}; raise it (or drop long rows)"
+            )

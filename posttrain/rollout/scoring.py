@@ -29,8 +29,10 @@ def reward_names(cfg: RewardChoice, data: PromptData, source: PromptSource) -> l
         return list(cfg.functions)
     default = getattr(source, "reward", "") or TASK_DEFAULT_REWARDS.get(data.task or "", "")
     if not default:
-        raise PosttrainError("reward.functions is empty and the data has no default reward: name one, "
-                             "e.g. reward.functions=[numeric_match]")
+        raise PosttrainError(
+            "reward.functions is empty and the data has no default reward: name one, "
+            "e.g. reward.functions=[numeric_match]"
+        )
     return [default]
 
 
@@ -52,10 +54,12 @@ def score_groups(batch: RolloutBatch, specs: list[RewardSpec], overlong: Overlon
     rewards = result.total.clone()  # (B,)
     if overlong is not None:
         lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-        rewards = rewards + soft_overlong_penalty(lengths, overlong.max_tokens, overlong.cache_len,
-                                                  penalty_factor=overlong.factor)
-    return replace(batch, rewards=rewards, task_rewards=result.total, per_function=result.per_function,
-                   reward_errors=result.errors)
+        rewards = rewards + soft_overlong_penalty(
+            lengths, overlong.max_tokens, overlong.cache_len, penalty_factor=overlong.factor
+        )
+    return replace(
+        batch, rewards=rewards, task_rewards=result.total, per_function=result.per_function, reward_errors=result.errors
+    )
 
 
 def zero_variance_groups(batch: RolloutBatch) -> torch.Tensor:

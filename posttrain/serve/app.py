@@ -51,8 +51,13 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 DISCONNECT_POLL_S = 0.1
 
 
-def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              api_keys: Sequence[str] = ()) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    tokenizer: Any,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_keys: Sequence[str] = (),
+) -> FastAPI:
     """A FastAPI app over a (not yet started) AsyncEngine; the app starts and stops its loop. With `api_keys`,
     requests need one of them as a Bearer token (all routes but /health)."""
 
@@ -81,8 +86,9 @@ def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int 
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", type="internal_error"),
-                            status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(error).__name__}: {error}", type="internal_error"), status_code=500
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -96,8 +102,12 @@ def build_app(async_engine: AsyncEngine, tokenizer: Any, *, max_body_bytes: int 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=m.name, created=created, root=m.parent or m.name, parent=m.parent,
-                           max_model_len=m.max_model_len) for m in async_engine.models.values()]
+        cards = [
+            ModelCard(
+                id=m.name, created=created, root=m.parent or m.name, parent=m.parent, max_model_len=m.max_model_len
+            )
+            for m in async_engine.models.values()
+        ]
         return dump(ModelList(data=cards))
 
     @app.post("/v1/completions")
@@ -140,8 +150,9 @@ class _Handlers:
         except ValidationError as error:
             first = max(error.errors(), key=lambda e: len(e["loc"]))  # the most specific (union members)
             param = _param_name(first["loc"])
-            raise APIError(f"{param or 'body'}: {first['msg']} (got {first.get('input')!r:.100})",
-                           param=param or None) from None
+            raise APIError(
+                f"{param or 'body'}: {first['msg']} (got {first.get('input')!r:.100})", param=param or None
+            ) from None
 
     def _model(self, name: str) -> ServedModel:
         served = self.engine.models.get(name)
@@ -200,8 +211,13 @@ class _Handlers:
         # so a prompt position's top_logprobs are as many as a generated one's), or vLLM's prompt_logprobs;
         # with both, the larger k, and each part of the response takes its own.
         asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
-        params = render.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
-                                        max(asked) if asked else None, prompt_ranks=req.prompt_logprobs is not None)
+        params = render.sampling_params(
+            req,
+            req.max_tokens if req.max_tokens is not None else 16,
+            req.logprobs,
+            max(asked) if asked else None,
+            prompt_ranks=req.prompt_logprobs is not None,
+        )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, prompts, params, "prompt")
         outputs = self.engine.generate(served.name, request_id, prompts, params, texts, stream=req.stream)
@@ -217,21 +233,35 @@ class _Handlers:
             echoed = self._echo_text(prompts[index], texts[index]) if req.echo else ""
             for out in finals[index].outputs:
                 completion_tokens += len(out.token_ids)
-                choices.append(CompletionChoice(index=index * req.n + out.index, text=echoed + out.text,
-                                                logprobs=self._choice_logprobs(req, finals[index], out, echoed),
-                                                finish_reason=render.finish_reason(out.finish_reason),
-                                                prompt_logprobs=self._prompt_logprobs(req, finals[index])))
-        return JSONResponse(dump(CompletionResponse(
-            id=request_id, created=int(time.time()), model=served.name, choices=choices,
-            usage=render.usage(prompt_tokens, completion_tokens))))
+                choices.append(
+                    CompletionChoice(
+                        index=index * req.n + out.index,
+                        text=echoed + out.text,
+                        logprobs=self._choice_logprobs(req, finals[index], out, echoed),
+                        finish_reason=render.finish_reason(out.finish_reason),
+                        prompt_logprobs=self._prompt_logprobs(req, finals[index]),
+                    )
+                )
+        return JSONResponse(
+            dump(
+                CompletionResponse(
+                    id=request_id,
+                    created=int(time.time()),
+                    model=served.name,
+                    choices=choices,
+                    usage=render.usage(prompt_tokens, completion_tokens),
+                )
+            )
+        )
 
     def _choice_logprobs(self, req: CompletionRequest, request: Any, out: Any, echoed: str) -> Any:
         if req.logprobs is None:
             return None
         if req.echo:
             return render.echo_logprobs(self.token_text, request, echoed, out, num_top=req.logprobs)
-        return render.completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
-                                          out.top_logprobs if req.logprobs else None)
+        return render.completion_logprobs(
+            self.token_text, out.token_ids, out.logprobs or [], out.top_logprobs if req.logprobs else None
+        )
 
     def _prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest, request: Any) -> Any:
         if req.prompt_logprobs is None:
@@ -254,8 +284,15 @@ class _Handlers:
             return [self.tokenizer.encode(p, add_special_tokens=True) for p in prompt], list(prompt)
         return [list(p) for p in prompt], [None] * len(prompt)
 
-    async def _completion_stream(self, req: CompletionRequest, request_id: str, outputs: AsyncIterator,
-                                 params: Any, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        outputs: AsyncIterator,
+        params: Any,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
         trackers: dict[tuple[int, int], render.DeltaTracker] = {}
         completion_tokens = 0
@@ -271,17 +308,35 @@ class _Handlers:
                         logprobs = None
                         if req.logprobs is not None:
                             logprobs = render.completion_logprobs(
-                                self.token_text, delta.token_ids, delta.logprobs or [],
-                                delta.top_logprobs if req.logprobs else None, delta.text_offset)
-                        choice = CompletionChoice(index=index * req.n + out.index, text=delta.text,
-                                                  logprobs=logprobs, finish_reason=delta.finish_reason)
-                        yield render.sse(dump(CompletionResponse(id=request_id, created=created,
-                                                                 model=req.model, choices=[choice])))
+                                self.token_text,
+                                delta.token_ids,
+                                delta.logprobs or [],
+                                delta.top_logprobs if req.logprobs else None,
+                                delta.text_offset,
+                            )
+                        choice = CompletionChoice(
+                            index=index * req.n + out.index,
+                            text=delta.text,
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                        )
+                        yield render.sse(
+                            dump(CompletionResponse(id=request_id, created=created, model=req.model, choices=[choice]))
+                        )
             except (EngineDeadError, PosttrainError) as error:
                 yield render.sse(error_body(str(error), type="internal_error"))
         if include_usage:
-            yield render.sse(dump(CompletionResponse(id=request_id, created=created, model=req.model, choices=[],
-                                                     usage=render.usage(prompt_tokens, completion_tokens))))
+            yield render.sse(
+                dump(
+                    CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=req.model,
+                        choices=[],
+                        usage=render.usage(prompt_tokens, completion_tokens),
+                    )
+                )
+            )
         yield render.SSE_DONE
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
@@ -295,8 +350,9 @@ class _Handlers:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (req.top_logprobs or True) if req.logprobs else None
         _check_prompt_logprobs(req)
-        params = render.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
-                                        prompt_ranks=req.prompt_logprobs is not None)
+        params = render.sampling_params(
+            req, max_tokens, logprobs, req.prompt_logprobs, prompt_ranks=req.prompt_logprobs is not None
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check(served, request_id, [prompt], params, "messages")
         outputs = self.engine.generate(served.name, request_id, [prompt], params, stream=req.stream)
@@ -312,11 +368,26 @@ class _Handlers:
             logprobs = None
             if req.logprobs:
                 logprobs = render.chat_logprobs(self.token_text, out.token_ids, out.logprobs or [], out.top_logprobs)
-            choices.append(ChatChoice(index=out.index, message=AssistantMessage(content=out.text), logprobs=logprobs,
-                                      finish_reason=render.finish_reason(out.finish_reason)))
-        return JSONResponse(dump(ChatCompletionResponse(
-            id=request_id, created=int(time.time()), model=served.name, choices=choices,
-            usage=render.usage(len(prompt), completion_tokens), prompt_logprobs=self._prompt_logprobs(req, finals[0]))))
+            choices.append(
+                ChatChoice(
+                    index=out.index,
+                    message=AssistantMessage(content=out.text),
+                    logprobs=logprobs,
+                    finish_reason=render.finish_reason(out.finish_reason),
+                )
+            )
+        return JSONResponse(
+            dump(
+                ChatCompletionResponse(
+                    id=request_id,
+                    created=int(time.time()),
+                    model=served.name,
+                    choices=choices,
+                    usage=render.usage(len(prompt), completion_tokens),
+                    prompt_logprobs=self._prompt_logprobs(req, finals[0]),
+                )
+            )
+        )
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
@@ -324,8 +395,10 @@ class _Handlers:
         messages = []
         for i, message in enumerate(req.messages):
             if message.role not in CHAT_ROLES:
-                raise APIError(f"Invalid value {message.role!r} for messages[{i}].role; supported roles: "
-                               f"{', '.join(CHAT_ROLES)}", param=f"messages.[{i}].role")
+                raise APIError(
+                    f"Invalid value {message.role!r} for messages[{i}].role; supported roles: {', '.join(CHAT_ROLES)}",
+                    param=f"messages.[{i}].role",
+                )
             content = message.content
             if isinstance(content, list):
                 content = "".join(part.text for part in content)
@@ -336,19 +409,28 @@ class _Handlers:
         except PosttrainError as error:
             raise APIError(str(error), param="messages") from None
 
-    async def _chat_stream(self, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
-                           params: Any, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        outputs: AsyncIterator,
+        params: Any,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
-            return render.sse(dump(ChatCompletionChunk(id=request_id, created=created, model=req.model,
-                                                       choices=choices, usage=usage)))
+            return render.sse(
+                dump(ChatCompletionChunk(id=request_id, created=created, model=req.model, choices=choices, usage=usage))
+            )
 
         trackers = [render.DeltaTracker(params.stop) for _ in range(req.n)]
         completion_tokens = 0
         async with contextlib.aclosing(outputs):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(req.n)])
+            yield chunk(
+                [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)]
+            )
             try:
                 async for _, output in outputs:
                     for out in output.outputs:
@@ -358,10 +440,19 @@ class _Handlers:
                         completion_tokens += len(delta.token_ids)
                         logprobs = None
                         if req.logprobs:
-                            logprobs = render.chat_logprobs(self.token_text, delta.token_ids, delta.logprobs or [],
-                                                            delta.top_logprobs)
-                        yield chunk([ChatChunkChoice(index=out.index, delta=DeltaMessage(content=delta.text),
-                                                     logprobs=logprobs, finish_reason=delta.finish_reason)])
+                            logprobs = render.chat_logprobs(
+                                self.token_text, delta.token_ids, delta.logprobs or [], delta.top_logprobs
+                            )
+                        yield chunk(
+                            [
+                                ChatChunkChoice(
+                                    index=out.index,
+                                    delta=DeltaMessage(content=delta.text),
+                                    logprobs=logprobs,
+                                    finish_reason=delta.finish_reason,
+                                )
+                            ]
+                        )
             except (EngineDeadError, PosttrainError) as error:
                 yield render.sse(error_body(str(error), type="internal_error"))
         if include_usage:
@@ -374,8 +465,10 @@ def _check_echo(req: CompletionRequest) -> None:
     as vLLM does; echo in a stream is refused rather than half-done (the prompt's logprobs arrive only with
     the whole prefill, and a stream's first chunk would have to carry them per choice)."""
     if req.max_tokens == 0 and not req.echo:
-        raise APIError("max_tokens must be at least 1 unless echo is true (max_tokens=0 with echo scores the "
-                       "prompt only)", param="max_tokens")
+        raise APIError(
+            "max_tokens must be at least 1 unless echo is true (max_tokens=0 with echo scores the prompt only)",
+            param="max_tokens",
+        )
     if req.echo and req.stream:
         raise APIError("echo is not supported with stream=true; send the request without stream", param="echo")
 
@@ -383,8 +476,10 @@ def _check_echo(req: CompletionRequest) -> None:
 def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
     """prompt_logprobs come whole with the final response; in a stream they are refused rather than dropped."""
     if req.prompt_logprobs is not None and req.stream:
-        raise APIError("prompt_logprobs is not supported with stream=true; send the request without stream",
-                       param="prompt_logprobs")
+        raise APIError(
+            "prompt_logprobs is not supported with stream=true; send the request without stream",
+            param="prompt_logprobs",
+        )
 
 
 def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:

@@ -107,8 +107,13 @@ class AsyncEngine:
         self.models[model].engine.check_request(request_id, prompt_token_ids, params)
 
     async def generate(
-        self, model: str, request_id: str, prompts: list[list[int]], params: SamplingParams,
-        prompt_texts: list[str | None] | None = None, stream: bool = False,
+        self,
+        model: str,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_texts: list[str | None] | None = None,
+        stream: bool = False,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prompt with `params`; yield (prompt index, output) as the engine reports them: each
         prompt's final output, and with stream=True its cumulative output after every step. Leaving early
@@ -118,8 +123,9 @@ class AsyncEngine:
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         call = _Call(asyncio.get_running_loop(), asyncio.Queue(), ids, set(ids))
         texts = prompt_texts or [None] * len(prompts)
-        self._send(("add", model, call, [(rid, ids_, text) for rid, ids_, text in zip(ids, prompts, texts)],
-                    params, stream))
+        self._send(
+            ("add", model, call, [(rid, ids_, text) for rid, ids_, text in zip(ids, prompts, texts)], params, stream)
+        )
         pending = set(ids)
         try:
             while pending:

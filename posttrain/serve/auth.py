@@ -48,8 +48,10 @@ def resolve_api_keys(flags: Sequence[str], environ: Mapping[str, str]) -> list[s
             raise PosttrainError(f"{source}: key {number} is empty (keys are separated by commas)")
         bad = next((i for i, ch in enumerate(key) if not "!" <= ch <= "~"), None)
         if bad is not None:  # Bearer tokens are printable ASCII; a space or a non-ASCII letter would never match
-            raise PosttrainError(f"{source}: key {number} has a space, control or non-ASCII character at "
-                                 f"position {bad + 1}; use printable ASCII")
+            raise PosttrainError(
+                f"{source}: key {number} has a space, control or non-ASCII character at "
+                f"position {bad + 1}; use printable ASCII"
+            )
         keys.append(key)
     return list(dict.fromkeys(keys))
 
@@ -68,8 +70,10 @@ class APIKeyAuth:
             return await self.app(scope, receive, send)
         token = bearer_token(scope["headers"])
         if token is None:
-            refusal = error_body("You didn't provide an API key. Send it in an Authorization header as Bearer "
-                                 "auth (Authorization: Bearer YOUR_KEY).")
+            refusal = error_body(
+                "You didn't provide an API key. Send it in an Authorization header as Bearer "
+                "auth (Authorization: Bearer YOUR_KEY)."
+            )
         elif not self.accepts(token):
             refusal = error_body("Incorrect API key provided.", code="invalid_api_key")
         else:

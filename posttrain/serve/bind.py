@@ -28,8 +28,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), not yet listening. Port 0 binds a free port (see bound_port)."""
     check_port(port)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as error:
         raise PosttrainError(f"--host {host!r}: cannot resolve the address ({error.strerror})") from None
     sock = socket.socket(family, kind, proto)
@@ -72,8 +73,10 @@ def url(host: str, port: int) -> str:
 def _cannot_listen(host: str, port: int, error: OSError) -> PosttrainError:
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if error.errno == errno.EADDRINUSE:
-        return PosttrainError(f"cannot listen on {where}: the address is already in use "
-                              f"(another server on that port? choose another --port)")
+        return PosttrainError(
+            f"cannot listen on {where}: the address is already in use "
+            f"(another server on that port? choose another --port)"
+        )
     if error.errno == errno.EACCES:
         return PosttrainError(f"cannot listen on {where}: permission denied (ports below 1024 need privileges)")
     if error.errno == errno.EADDRNOTAVAIL:

@@ -45,7 +45,10 @@ def split_kv_budget(config: EngineConfig, num_engines: int, index: int) -> Engin
 
 
 def build_served_models(
-    model: torch.nn.Module, tokenizer: Any, name: str, loras: dict[str, Path] | None = None,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    name: str,
+    loras: dict[str, Path] | None = None,
     config: EngineConfig | None = None,
 ) -> AsyncEngine:
     """The base model served as `name`, and each adapter (loaded onto the same module) as its own name."""
@@ -73,8 +76,13 @@ def build_served_models(
 
 
 def load_served_models(
-    model_name: str, loras: dict[str, Path] | None = None, config: EngineConfig | None = None, *,
-    served_model_name: str | None = None, dtype: str | None = None, device: str | None = None,
+    model_name: str,
+    loras: dict[str, Path] | None = None,
+    config: EngineConfig | None = None,
+    *,
+    served_model_name: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
 ) -> tuple[AsyncEngine, Any]:
     """Load `model_name` (load_model) and build the AsyncEngine over it. Returns (async engine, tokenizer)."""
     from posttrain.models.hub import load_model

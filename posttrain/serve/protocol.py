@@ -7,7 +7,7 @@ Unknown request fields are ignored, as OpenAI-compatible servers commonly do. A 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,32 +28,32 @@ class SamplingFields(_Request):
 
     model: str
     n: int = Field(1, ge=1, le=128)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stop: str | list[str] | None = None
+    seed: int | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # vLLM extensions
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # with the k most likely at each position
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with the k most likely at each position
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)  # 0: score the prompt only (with echo; see app.py)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo; see app.py)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: str | None = None
 
 
 class TextPart(_Request):
@@ -63,16 +63,16 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: str
-    content: Optional[Union[str, list[TextPart]]] = None
-    name: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -87,8 +87,8 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     # None at the first prompt token under echo: nothing predicts it (OpenAI returns null there too)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -102,15 +102,15 @@ class PromptLogprob(BaseModel):
 
 # Per prompt token: None for the first (nothing predicts it), else {token id: entry} for the prompt's own
 # token and the k most likely ones.
-PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -119,13 +119,13 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
@@ -133,7 +133,7 @@ class TokenLogprob(TopLogprob):
 
 
 class ChatLogprobs(BaseModel):
-    content: Optional[list[TokenLogprob]] = None
+    content: list[TokenLogprob] | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -144,8 +144,8 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -154,20 +154,20 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
-    usage: Optional[Usage] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
+    usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -176,7 +176,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
@@ -185,7 +185,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "posttrain"
     root: str
-    parent: Optional[str] = None
+    parent: str | None = None
     max_model_len: int
 
 

@@ -16,17 +16,22 @@ from posttrain.serve.protocol import (
     CompletionLogprobs,
     PromptLogprob,
     PromptLogprobs,
+    SamplingFields,
     TokenLogprob,
     TopLogprob,
     Usage,
-    SamplingFields,
 )
 
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int | None,
-                    prompt_logprobs: int | None = None, prompt_ranks: bool = False) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: bool | int | None,
+    prompt_logprobs: int | None = None,
+    prompt_ranks: bool = False,
+) -> SamplingParams:
     """SamplingParams for a validated request; a combination the engine refuses becomes a 400 naming the field.
     `prompt_logprobs` (echo with logprobs, or vLLM's prompt_logprobs) makes the engine score the prompt too;
     None leaves it off. `prompt_ranks`: with the prompt tokens' ranks (vLLM's prompt_logprobs shows them)."""
@@ -57,8 +62,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: bool | int |
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -86,8 +92,13 @@ class TokenText:
         return text
 
 
-def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[float | None],
-                        top: list[list[tuple[int, float]] | None] | None, offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(
+    token_text: TokenText,
+    token_ids: list[int],
+    logprobs: list[float | None],
+    top: list[list[tuple[int, float]] | None] | None,
+    offset: int = 0,
+) -> CompletionLogprobs:
     """The legacy completions format: parallel lists, `text_offset` from `offset` (chars already streamed,
     or the echoed prompt's length). A None entry (the first prompt token) stays None in both lists."""
     tokens = [token_text(t) for t in token_ids]
@@ -107,16 +118,18 @@ def _top_dict(token_text: TokenText, step: list[tuple[int, float]] | None) -> di
     return None if step is None else {token_text(t): lp for t, lp in step}
 
 
-def echo_logprobs(token_text: TokenText, request: RequestOutput, prompt_text: str, out: CompletionOutput,
-                  num_top: int) -> CompletionLogprobs:
+def echo_logprobs(
+    token_text: TokenText, request: RequestOutput, prompt_text: str, out: CompletionOutput, num_top: int
+) -> CompletionLogprobs:
     """Logprobs over the echoed text: the prompt's tokens (the engine's prompt_logprobs, raw log-softmax,
     None first) and then the sample's, whose offsets start after the prompt text they follow. The engine may
     hold more prompt alternatives than num_top (for a larger `prompt_logprobs` in the same request)."""
     top = num_top > 0
     prompt_top = [None if step is None else step[:num_top] for step in request.prompt_top_logprobs] if top else None
     head = completion_logprobs(token_text, request.prompt_token_ids, request.prompt_logprobs or [], prompt_top)
-    tail = completion_logprobs(token_text, out.token_ids, out.logprobs or [], out.top_logprobs if top else None,
-                               offset=len(prompt_text))
+    tail = completion_logprobs(
+        token_text, out.token_ids, out.logprobs or [], out.top_logprobs if top else None, offset=len(prompt_text)
+    )
     return CompletionLogprobs(
         tokens=head.tokens + tail.tokens,
         token_logprobs=head.token_logprobs + tail.token_logprobs,
@@ -130,24 +143,32 @@ def prompt_logprobs(token_text: TokenText, request: RequestOutput, num_top: int)
     the num_top most likely tokens (rank = place among them), keyed by token id."""
     entries: PromptLogprobs = [None]
     tops = request.prompt_top_logprobs or [None] * len(request.prompt_token_ids)
-    for token, logprob, rank, top in zip(request.prompt_token_ids[1:], request.prompt_logprobs[1:],
-                                         request.prompt_logprob_ranks[1:], tops[1:]):
+    for token, logprob, rank, top in zip(
+        request.prompt_token_ids[1:], request.prompt_logprobs[1:], request.prompt_logprob_ranks[1:], tops[1:]
+    ):
         entry = {str(token): PromptLogprob(logprob=logprob, rank=rank, decoded_token=token_text(token))}
         for place, (alternative, alternative_logprob) in enumerate((top or [])[:num_top], start=1):
-            entry.setdefault(str(alternative), PromptLogprob(logprob=alternative_logprob, rank=place,
-                                                             decoded_token=token_text(alternative)))
+            entry.setdefault(
+                str(alternative),
+                PromptLogprob(logprob=alternative_logprob, rank=place, decoded_token=token_text(alternative)),
+            )
         entries.append(entry)
     return entries
 
 
-def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[float],
-                  top: list[list[tuple[int, float]]] | None) -> ChatLogprobs:
+def chat_logprobs(
+    token_text: TokenText, token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]] | None
+) -> ChatLogprobs:
     content = []
     for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
         token = token_text(token_id)
-        alternatives = [TopLogprob(token=token_text(t), logprob=lp, bytes=list(token_text(t).encode()))
-                        for t, lp in (top[i] if top is not None else [])]
-        content.append(TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alternatives))
+        alternatives = [
+            TopLogprob(token=token_text(t), logprob=lp, bytes=list(token_text(t).encode()))
+            for t, lp in (top[i] if top is not None else [])
+        ]
+        content.append(
+            TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alternatives)
+        )
     return ChatLogprobs(content=content)
 
 

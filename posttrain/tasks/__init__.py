@@ -1,8 +1,8 @@
 """RL tasks: sources of prompts with reference answers, chosen by name in the trainer config.
 
-    task = make_task("arithmetic", seed=0)      # or TASKS["arithmetic"](seed=0)
-    rows = task.sample(64)                      # [{"prompt": [...messages], "answer": "85"}, ...]
-    reward_fn = load_reward(task.reward)        # posttrain.rewards spec, e.g. "numeric_match"
+task = make_task("arithmetic", seed=0)      # or TASKS["arithmetic"](seed=0)
+rows = task.sample(64)                      # [{"prompt": [...messages], "answer": "85"}, ...]
+reward_fn = load_reward(task.reward)        # posttrain.rewards spec, e.g. "numeric_match"
 """
 
 from __future__ import annotations
@@ -37,4 +37,14 @@ def make_task(name: str, **options: Any) -> Task:
     return factory(**options)
 
 
-__all__ = ["TASKS", "TASK_DEFAULT_REWARDS", "ArithmeticTask", "GSM8KTask", "Task", "TaskError", "accuracy", "load_gsm8k", "make_task"]
+__all__ = [
+    "TASKS",
+    "TASK_DEFAULT_REWARDS",
+    "ArithmeticTask",
+    "GSM8KTask",
+    "Task",
+    "TaskError",
+    "accuracy",
+    "load_gsm8k",
+    "make_task",
+]

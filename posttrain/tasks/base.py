@@ -46,8 +46,10 @@ def check_state(state: Any, keys: Iterable[str], what: str) -> None:
     missing = [key for key in keys if key not in state]
     unknown = sorted(set(state) - set(keys))
     if missing or unknown:
-        raise TaskError(f"{what}: state keys must be {', '.join(keys)} "
-                        f"(missing: {', '.join(missing) or '-'}; unknown: {', '.join(unknown) or '-'})")
+        raise TaskError(
+            f"{what}: state keys must be {', '.join(keys)} "
+            f"(missing: {', '.join(missing) or '-'}; unknown: {', '.join(unknown) or '-'})"
+        )
     for key in keys:
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, int) or (key != "seed" and value < 0):

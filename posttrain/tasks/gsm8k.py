@@ -35,8 +35,12 @@ def load_gsm8k(path: str | Path) -> list[dict[str, Any]]:
             for key in ("question", "answer"):
                 if not isinstance(record.get(key), str) or not record[key].strip():
                     raise TaskError(f"{path}:{line_number}: row has no {key!r} string")
-            rows.append({"prompt": [{"role": "user", "content": record["question"].strip() + INSTRUCTION}],
-                         "answer": record["answer"]})
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": record["question"].strip() + INSTRUCTION}],
+                    "answer": record["answer"],
+                }
+            )
     except DataError as error:  # undecodable: reported as this task's error
         raise TaskError(str(error)) from None
     if not rows:
@@ -98,8 +102,10 @@ class GSM8KTask:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(state, ("seed", "epoch", "position"), "gsm8k task")
         if state["position"] >= len(self.train_rows):
-            raise TaskError(f"gsm8k task: state['position'] = {state['position']} is past the "
-                            f"{len(self.train_rows)} training rows (a different file or held_out_size?)")
+            raise TaskError(
+                f"gsm8k task: state['position'] = {state['position']} is past the "
+                f"{len(self.train_rows)} training rows (a different file or held_out_size?)"
+            )
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = None
 

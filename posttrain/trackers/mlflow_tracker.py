@@ -63,14 +63,18 @@ class MlflowTracker:
         experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(self.project)
         run = client.create_run(experiment_id, run_name=run_name)
         self._client, self._run_id = client, run.info.run_id
-        params = [self._entities.Param(mlflow_name(key, self._file_store), value[:_MAX_PARAM_VALUE])
-                  for key, value in flat_params(config).items()]
+        params = [
+            self._entities.Param(mlflow_name(key, self._file_store), value[:_MAX_PARAM_VALUE])
+            for key, value in flat_params(config).items()
+        ]
         client.log_batch(self._run_id, params=params)  # the client sends them in batches of MLflow's limit
 
     def log(self, metrics: Metrics, step: int) -> None:
         now_ms = int(time.time() * 1000)
-        batch = [self._entities.Metric(mlflow_name(key, self._file_store), value, now_ms, step)
-                 for key, value in numbers(metrics)]
+        batch = [
+            self._entities.Metric(mlflow_name(key, self._file_store), value, now_ms, step)
+            for key, value in numbers(metrics)
+        ]
         if batch:
             self._client.log_batch(self._run_id, metrics=batch)
 

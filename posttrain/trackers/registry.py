@@ -1,8 +1,8 @@
 """`log.report_to`: which trackers a run's metrics also go to, chosen by name from `TRACKERS`.
 
-    names = resolve_report_to(["wandb", "mlflow"])         # also "wandb", "none", None, [] (-> [])
-    check_installed(names)                                 # before any compute: one line naming the extra
-    trackers = open_trackers(names, "posttrain", run_name, config, run_dir)
+names = resolve_report_to(["wandb", "mlflow"])         # also "wandb", "none", None, [] (-> [])
+check_installed(names)                                 # before any compute: one line naming the extra
+trackers = open_trackers(names, "posttrain", run_name, config, run_dir)
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def check_installed(names: Sequence[str], asked_by: str | None = None) -> None:
             raise ConfigError(not_installed(name, cls.package, cls.extra, asked_by))
 
 
-def open_trackers(names: Sequence[str], project: str, run_name: str, config: Mapping[str, Any],
-                  run_dir: Path) -> list[Tracker]:
+def open_trackers(
+    names: Sequence[str], project: str, run_name: str, config: Mapping[str, Any], run_dir: Path
+) -> list[Tracker]:
     """Open each named tracker; if one cannot start, close the ones already open and raise PosttrainError."""
     opened: list[Tracker] = []
     try:

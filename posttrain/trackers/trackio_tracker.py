@@ -29,8 +29,14 @@ class TrackioTracker:
         # No notebook embedding, and no system metrics of its own: the run logs what metrics.jsonl gets. Trackio
         # announces itself on stdout, where the commands print only the run directory: its lines go to stderr.
         with contextlib.redirect_stdout(sys.stderr):
-            self._run = trackio.init(project=self.project, name=run_name, config=dict(config), embed=False,
-                                     auto_log_gpu=False, auto_log_cpu=False)
+            self._run = trackio.init(
+                project=self.project,
+                name=run_name,
+                config=dict(config),
+                embed=False,
+                auto_log_gpu=False,
+                auto_log_cpu=False,
+            )
 
     def log(self, metrics: Metrics, step: int) -> None:
         self._run.log(dict(metrics), step=step)

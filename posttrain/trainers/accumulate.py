@@ -32,7 +32,9 @@ LossSumFn = Callable[[T], tuple[torch.Tensor | Mapping[str, torch.Tensor], dict[
 
 
 def accumulate_gradients(
-    micro_batches: Sequence[T], loss_sum_fn: LossSumFn, denominator: float | Mapping[str, float],
+    micro_batches: Sequence[T],
+    loss_sum_fn: LossSumFn,
+    denominator: float | Mapping[str, float],
     parallel: Parallel | None = None,
 ) -> dict[str, float]:
     """Backward each micro-batch's loss_sum / denominator; returns {"loss": total / denominator, **metric sums}

@@ -55,20 +55,26 @@ def check_adapter_options(lora: LoraConfig | None, quant: str | None, qat: str |
         if qat not in SCHEMES:
             raise ValueError(f"qat: unknown quantization scheme {qat!r} (choose from {schemes})")
         if quant is not None:
-            raise ValueError("qat and quant cannot be combined: quant: is the frozen quantized base of QLoRA, "
-                             "qat: trains float weights and quantizes them at the end")
+            raise ValueError(
+                "qat and quant cannot be combined: quant: is the frozen quantized base of QLoRA, "
+                "qat: trains float weights and quantizes them at the end"
+            )
         if lora is not None:
             # QAT moves every weight toward the quantization grid; LoRA freezes them. Fake-quantizing the
             # base under the adapters would train adapters for a grid the base never moves on: not QAT.
-            raise ValueError("qat and lora cannot be combined: QAT trains the full weights through fake "
-                             "quantization, LoRA freezes them (for adapters over a quantized base use quant:, QLoRA)")
+            raise ValueError(
+                "qat and lora cannot be combined: QAT trains the full weights through fake "
+                "quantization, LoRA freezes them (for adapters over a quantized base use quant:, QLoRA)"
+            )
     if quant is not None:
         if quant not in SCHEMES:
             raise ValueError(f"quant: unknown quantization scheme {quant!r} (choose from {schemes})")
         if lora is None:
             # A quantized layer has no trainable weights: without adapters nothing would train.
-            raise ValueError(f"quant={quant!r} needs a lora: section (QLoRA trains LoRA adapters over the frozen "
-                             "quantized base); add e.g. `lora: {r: 16}` or lora.r=16")
+            raise ValueError(
+                f"quant={quant!r} needs a lora: section (QLoRA trains LoRA adapters over the frozen "
+                "quantized base); add e.g. `lora: {r: 16}` or lora.r=16"
+            )
 
 
 def prepare_trainable(

@@ -119,24 +119,33 @@ class DistillConfig:
 # ----------------------------------------------------------------------------- checks and pieces
 
 
-def check_shared_vocab(student: Transformer, student_tok: Any, teacher: Transformer, teacher_tok: Any,
-                       student_name: str, teacher_name: str) -> None:
+def check_shared_vocab(
+    student: Transformer, student_tok: Any, teacher: Transformer, teacher_tok: Any, student_name: str, teacher_name: str
+) -> None:
     """Raise VocabMismatchError unless both models have the same logit width and tokenizers with the same id -> token map."""
     sv, tv = student.config.vocab_size, teacher.config.vocab_size
     if sv != tv:
-        raise VocabMismatchError(f"teacher {teacher_name} has {tv} logits per token, student {student_name} has {sv}: "
-                                 "distillation needs one shared vocabulary")
+        raise VocabMismatchError(
+            f"teacher {teacher_name} has {tv} logits per token, student {student_name} has {sv}: "
+            "distillation needs one shared vocabulary"
+        )
     if student_tok.vocab_size != teacher_tok.vocab_size:
-        raise VocabMismatchError(f"teacher tokenizer ({teacher_name}) has {teacher_tok.vocab_size} tokens, student's "
-                                 f"({student_name}) {student_tok.vocab_size}: they must share a tokenizer")
+        raise VocabMismatchError(
+            f"teacher tokenizer ({teacher_name}) has {teacher_tok.vocab_size} tokens, student's "
+            f"({student_name}) {student_tok.vocab_size}: they must share a tokenizer"
+        )
     ids = list(range(student_tok.vocab_size))
     for i, (a, b) in enumerate(zip(student_tok.convert_ids_to_tokens(ids), teacher_tok.convert_ids_to_tokens(ids))):
         if a != b:
-            raise VocabMismatchError(f"teacher and student tokenizers differ at id {i}: student {a!r}, teacher {b!r} "
-                                     f"({student_name} vs {teacher_name}); they must share a tokenizer")
+            raise VocabMismatchError(
+                f"teacher and student tokenizers differ at id {i}: student {a!r}, teacher {b!r} "
+                f"({student_name} vs {teacher_name}); they must share a tokenizer"
+            )
 
 
-def divergence_sum(student: Transformer, teacher: Transformer, batch: Batch, loss: str, kwargs: dict[str, float]) -> torch.Tensor:
+def divergence_sum(
+    student: Transformer, teacher: Transformer, batch: Batch, loss: str, kwargs: dict[str, float]
+) -> torch.Tensor:
     """Summed per-token divergence over the batch's completion targets (float32 scalar)."""
     keep = batch.targets != IGNORE_INDEX  # (B, T)
     student_logits = student.logits(student.hidden_states(batch.input_ids, **batch.model_kwargs())[keep])  # (N, V)
@@ -151,8 +160,14 @@ def prompt_of(row: TokenizedRow) -> list[int]:
     return row.input_ids[:start]
 
 
-def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams, seeds: Sequence[int] | None = None,
-                 keep_empty: bool = False, lockstep: EngineCall = nullcontext) -> list[TokenizedRow]:
+def sampled_rows(
+    llm: LLM,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    seeds: Sequence[int] | None = None,
+    keep_empty: bool = False,
+    lockstep: EngineCall = nullcontext,
+) -> list[TokenizedRow]:
     """Prompt + student sample as rows labelled on the sampled tokens. `seeds`: prompt i's request is seeded with
     seeds[i]. An empty sample is dropped, or with `keep_empty` kept as a prompt-only row with no targets (under
     torchrun every rank must run the same forwards, even one whose samples all came back empty). `lockstep`: the
@@ -171,8 +186,14 @@ def sampled_rows(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams,
 
 
 @torch.no_grad()
-def evaluate_divergence(student: Transformer, teacher: Transformer, rows: list[TokenizedRow], cfg: DistillConfig,
-                        pad_id: int, parallel: Parallel | None = None) -> dict[str, float]:
+def evaluate_divergence(
+    student: Transformer,
+    teacher: Transformer,
+    rows: list[TokenizedRow],
+    cfg: DistillConfig,
+    pad_id: int,
+    parallel: Parallel | None = None,
+) -> dict[str, float]:
     """Token-mean divergence over `rows`; under torchrun every rank evaluates all of them (the same forwards)."""
     was_training = student.training
     student.eval()
@@ -198,8 +219,9 @@ def train_distill(cfg: DistillConfig) -> Path:
     seed_everything(cfg.train.seed)
     ctx, model_section = join_processes(cfg.dist, cfg.model)
     student, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant)
-    teacher, teacher_tok = load_model(cfg.teacher.name_or_path, dtype=cfg.teacher.dtype or student.dtype,
-                                      device=student.device)
+    teacher, teacher_tok = load_model(
+        cfg.teacher.name_or_path, dtype=cfg.teacher.dtype or student.dtype, device=student.device
+    )
     check_shared_vocab(student, tokenizer, teacher, teacher_tok, cfg.model.name_or_path, cfg.teacher.name_or_path)
     teacher.eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -207,8 +229,13 @@ def train_distill(cfg: DistillConfig) -> Path:
         raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
 
     loaded = build_sft_rows(cfg.data, tokenizer)
-    report: dict[str, Any] = {"path": cfg.data.path, "format": loaded.format, "rows_read": loaded.rows_read,
-                              "rows_kept": len(loaded.rows), "bad_rows": [vars(b) for b in loaded.bad_rows]}
+    report: dict[str, Any] = {
+        "path": cfg.data.path,
+        "format": loaded.format,
+        "rows_read": loaded.rows_read,
+        "rows_kept": len(loaded.rows),
+        "bad_rows": [vars(b) for b in loaded.bad_rows],
+    }
     rows, eval_rows = split_holdout(loaded.rows, cfg.data.eval_fraction, cfg.train.seed)
     if cfg.data.eval_path:
         eval_rows = build_sft_rows(cfg.data, tokenizer, path=cfg.data.eval_path).rows
@@ -216,9 +243,11 @@ def train_distill(cfg: DistillConfig) -> Path:
     if cfg.mode == "on_policy":  # the training rows' prompts: held-out rows stay unseen
         prompts = [p for p in map(prompt_of, rows) if p and len(p) + cfg.max_new_tokens <= cfg.data.max_length]
         if not prompts:
-            raise DataError(f"{cfg.data.path}: no training row has a prompt that leaves room for max_new_tokens="
-                            f"{cfg.max_new_tokens} within data.max_length={cfg.data.max_length} (on-policy "
-                            "distillation needs prompt/completion, chat or preference rows)")
+            raise DataError(
+                f"{cfg.data.path}: no training row has a prompt that leaves room for max_new_tokens="
+                f"{cfg.max_new_tokens} within data.max_length={cfg.data.max_length} (on-policy "
+                "distillation needs prompt/completion, chat or preference rows)"
+            )
         report["prompts"] = len(prompts)
 
     train_cfg, optim_cfg = cfg.train, cfg.optim
@@ -228,10 +257,20 @@ def train_distill(cfg: DistillConfig) -> Path:
     start = open_run("distill", cfg)
     run_dir = start.run_dir
     if is_main():
-        (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n",
-                                                  encoding="utf-8")
-    logger.info("distill (%s, %s): %d %s, %d held-out rows; %d steps of %d; run dir %s", cfg.loss, cfg.mode, units,
-                "prompts" if cfg.mode == "on_policy" else "rows", len(eval_rows), max_steps, per_step, run_dir)
+        (run_dir / "data_report.json").write_text(
+            json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+    logger.info(
+        "distill (%s, %s): %d %s, %d held-out rows; %d steps of %d; run dir %s",
+        cfg.loss,
+        cfg.mode,
+        units,
+        "prompts" if cfg.mode == "on_policy" else "rows",
+        len(eval_rows),
+        max_steps,
+        per_step,
+        run_dir,
+    )
 
     student.train()
     # The teacher stays a whole frozen copy on every rank; the student is what the strategy spreads.
@@ -239,16 +278,26 @@ def train_distill(cfg: DistillConfig) -> Path:
     parallel.check_divides("train.batch_size", train_cfg.batch_size)
     optimizer = build_optimizer(student, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
-        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        optimizer,
+        total_steps=max_steps,
+        schedule=optim_cfg.schedule,
+        min_lr_ratio=optim_cfg.min_lr_ratio,
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
     kwargs = cfg.loss_kwargs()
     llm: LLM | None = None
     if cfg.mode == "on_policy":
         blocks = train_cfg.batch_size * (math.ceil(cfg.data.max_length / 16) + 1) + 8
-        llm = LLM(model=student, tokenizer=tokenizer, config=EngineConfig(
-            num_kv_blocks=blocks, max_model_len=cfg.data.max_length, max_num_seqs=train_cfg.batch_size,
-            max_num_batched_tokens=max(2048, cfg.data.max_length)))
+        llm = LLM(
+            model=student,
+            tokenizer=tokenizer,
+            config=EngineConfig(
+                num_kv_blocks=blocks,
+                max_model_len=cfg.data.max_length,
+                max_num_seqs=train_cfg.batch_size,
+                max_num_batched_tokens=max(2048, cfg.data.max_length),
+            ),
+        )
         params = SamplingParams(temperature=cfg.sample_temperature, max_tokens=cfg.max_new_tokens)
         stream = prompt_stream = batch_stream(prompts, train_cfg.batch_size, seed=train_cfg.seed)
     else:
@@ -280,6 +329,7 @@ def train_distill(cfg: DistillConfig) -> Path:
             logger.warning("distill: step %d has no completion tokens (every sample was empty); skipped", step + 1)
             optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm)
             return {"loss": 0.0, "tokens": 0, "loss_tokens": 0, "empty_step": 1}
+
         def loss_sum(b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             divergence = parallel.run(lambda m, batch: divergence_sum(m, teacher, batch, cfg.loss, kwargs), b)
             return divergence, {"tokens": b.num_tokens}
@@ -293,9 +343,18 @@ def train_distill(cfg: DistillConfig) -> Path:
         return {**out, "grad_norm": grad_norm, "loss_tokens": targets, "skipped_updates": guard.total}
 
     # On-policy samples draw from torch's generator, which the checkpoint restores with the rest.
-    checkpointer = Checkpointer("distill", run_dir, student, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints,
-                                parallel=parallel)
+    checkpointer = Checkpointer(
+        "distill",
+        run_dir,
+        student,
+        tokenizer,
+        cfg.model.name_or_path,
+        optimizer,
+        scheduler,
+        state={"data": stream, "faults": guard},
+        keep_last=train_cfg.keep_checkpoints,
+        parallel=parallel,
+    )
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     wrapped = parallel if parallel.wrapped is not None else None
     eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id, wrapped)) if eval_rows else None
@@ -306,9 +365,17 @@ def train_distill(cfg: DistillConfig) -> Path:
                 metrics.log(0, before)
             logger.info("distill: held-out %s before training %.4f", cfg.loss, before["eval_loss"])
         last = run_steps(
-            step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
-            save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress and is_main(),
+            step_fn,
+            max_steps=max_steps,
+            optimizer=optimizer,
+            metrics=metrics,
+            log_every=train_cfg.log_every,
+            save_every=train_cfg.save_every,
+            eval_every=train_cfg.eval_every,
+            eval_fn=eval_fn,
+            save_fn=checkpointer.save,
+            start_step=start_step,
+            progress=train_cfg.progress and is_main(),
             desc=f"distill[{cfg.loss}]",
         )
         if eval_fn is not None:

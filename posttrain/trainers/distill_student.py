@@ -29,7 +29,7 @@ def evenly_spaced_layers(total: int, count: int) -> list[int]:
 
 
 def parse_layer_list(text: str, total: int) -> list[int]:
-    """"0,2,4" -> [0, 2, 4]: increasing indices of existing layers."""
+    """ "0,2,4" -> [0, 2, 4]: increasing indices of existing layers."""
     try:
         keep = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -54,8 +54,10 @@ def keep_layers(model: Transformer, keep: Sequence[int]) -> Transformer:
     layer_types = [cfg.layer_types[i] for i in keep] if cfg.layer_types is not None else None
     new_cfg = dataclasses.replace(cfg, num_hidden_layers=len(keep), layer_types=layer_types)
     if cfg.moe is not None and any(cfg.moe.is_sparse(old) != cfg.moe.is_sparse(new) for new, old in enumerate(keep)):
-        raise PosttrainError("these layers would change which layers are mixture-of-experts (the config's dense/sparse "
-                             "pattern is by position); keep layers whose position keeps their kind")
+        raise PosttrainError(
+            "these layers would change which layers are mixture-of-experts (the config's dense/sparse "
+            "pattern is by position); keep layers whose position keeps their kind"
+        )
     renumber = {old: new for new, old in enumerate(keep)}
     state = {}
     for name, tensor in model.state_dict().items():
@@ -63,7 +65,7 @@ def keep_layers(model: Transformer, keep: Sequence[int]) -> Transformer:
         if match is None:
             state[name] = tensor.detach().clone()
         elif int(match.group(1)) in renumber:
-            state[f"layers.{renumber[int(match.group(1))]}." + name[match.end():]] = tensor.detach().clone()
+            state[f"layers.{renumber[int(match.group(1))]}." + name[match.end() :]] = tensor.detach().clone()
     student = Transformer(new_cfg, device="meta")
     student.load_state_dict(state, strict=True, assign=True)
     if new_cfg.tie_word_embeddings:

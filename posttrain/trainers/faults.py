@@ -50,13 +50,19 @@ class BadStepGuard:
         self.in_a_row += 1
         self.total += 1
         reason = fault_reason(loss, grad_norm)
-        logger.warning("step %d: %s: update skipped, weights and optimizer state unchanged (%d in a row, %d in all)",
-                       step, reason, self.in_a_row, self.total)
+        logger.warning(
+            "step %d: %s: update skipped, weights and optimizer state unchanged (%d in a row, %d in all)",
+            step,
+            reason,
+            self.in_a_row,
+            self.total,
+        )
         if self.in_a_row >= self.max_in_a_row:
             raise NumericalFault(
                 f"step {step}: {self.in_a_row} updates in a row skipped for non-finite values (last: {reason}); "
                 f"aborting at train.max_bad_steps={self.max_in_a_row}. Lower optim.lr, check the data around "
-                "this step, or resume from an earlier checkpoint")
+                "this step, or resume from an earlier checkpoint"
+            )
 
     def state_dict(self) -> dict[str, int]:
         return {"in_a_row": self.in_a_row, "total": self.total}

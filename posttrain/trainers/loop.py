@@ -81,7 +81,9 @@ class BatchStream(Generic[T]):
         self.position = int(state["position"])
 
 
-def batch_stream(items: Sequence[T], batch_size: int, seed: int, shuffle: bool = True, start: int = 0) -> BatchStream[T]:
+def batch_stream(
+    items: Sequence[T], batch_size: int, seed: int, shuffle: bool = True, start: int = 0
+) -> BatchStream[T]:
     """`BatchStream(items, batch_size, seed, shuffle, start)`: endless, resumable batches."""
     return BatchStream(items, batch_size, seed, shuffle, start)
 
@@ -124,8 +126,15 @@ def run_steps(
     progress bar weighs against `max_steps` (trainers.progress); the stop itself is `should_stop`'s.
     """
     record: dict[str, float] = {}
-    bar = StepProgress(max_steps, budget_s=budget_s, enabled=progress, desc=desc, start_step=start_step,
-                       started=started, reserve_s=reserve_s)
+    bar = StepProgress(
+        max_steps,
+        budget_s=budget_s,
+        enabled=progress,
+        desc=desc,
+        start_step=start_step,
+        started=started,
+        reserve_s=reserve_s,
+    )
     try:
         for step in range(start_step, max_steps):
             if should_stop is not None and should_stop(step):

@@ -36,8 +36,14 @@ class Outlook:
     s_per_step: float | None
 
 
-def outlook(done: int, max_steps: int, elapsed_s: float, s_per_step: float | None,
-            budget_s: float | None = None, reserve_s: float = 0.0) -> Outlook:
+def outlook(
+    done: int,
+    max_steps: int,
+    elapsed_s: float,
+    s_per_step: float | None,
+    budget_s: float | None = None,
+    reserve_s: float = 0.0,
+) -> Outlook:
     """The bound that ends the run first, from the steps done, the pace so far and the budget.
 
     The steps bound ends it after (max_steps - done) more steps at `s_per_step`; the time bound after
@@ -64,17 +70,28 @@ class StepProgress:
     mean wall time per step since `mark_start()` (called by the constructor; call it again once the steps
     begin if something slow, an evaluation, comes between)."""
 
-    def __init__(self, max_steps: int, *, budget_s: float | None = None, enabled: bool = True, desc: str = "train",
-                 start_step: int = 0, started: float | None = None, reserve_s: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter, file: Any = None) -> None:
+    def __init__(
+        self,
+        max_steps: int,
+        *,
+        budget_s: float | None = None,
+        enabled: bool = True,
+        desc: str = "train",
+        start_step: int = 0,
+        started: float | None = None,
+        reserve_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        file: Any = None,
+    ) -> None:
         self.max_steps, self.budget_s, self.reserve_s, self.clock = max_steps, budget_s, reserve_s, clock
         self.started = clock() if started is None else started
         self.done = start_step
         self.mark_start()
         # Created with our format, so that its first line (tqdm draws one at once) is already ours.
         total, n, bar_format = self._layout(self.outlook)
-        self._bar = tqdm(total=total, initial=n, desc=desc, disable=not enabled, dynamic_ncols=True, file=file,
-                         bar_format=bar_format)
+        self._bar = tqdm(
+            total=total, initial=n, desc=desc, disable=not enabled, dynamic_ncols=True, file=file, bar_format=bar_format
+        )
 
     def mark_start(self) -> None:
         """Measure the pace from now and from the steps done so far."""
@@ -84,8 +101,9 @@ class StepProgress:
     def outlook(self) -> Outlook:
         steps = self.done - self._pace_steps
         s_per_step = (self.clock() - self._pace_from) / steps if steps > 0 else None
-        return outlook(self.done, self.max_steps, self.clock() - self.started, s_per_step, self.budget_s,
-                       self.reserve_s)
+        return outlook(
+            self.done, self.max_steps, self.clock() - self.started, s_per_step, self.budget_s, self.reserve_s
+        )
 
     def step_done(self, done: int) -> None:
         """`done` steps are finished (the step number just logged)."""

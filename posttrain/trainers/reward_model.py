@@ -84,8 +84,9 @@ class RewardModel(nn.Module):
         """Right-padded ids (R, T) and real lengths (R,) -> scores (R,) in float32."""
         hidden = self.trunk.hidden_states(input_ids)  # (R, T, d); right padding needs no mask (causal)
         last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), lengths - 1]  # (R, d)
-        return nn.functional.linear(last.float(), self.head.weight.float(),
-                                    None if self.head.bias is None else self.head.bias.float()).squeeze(-1)
+        return nn.functional.linear(
+            last.float(), self.head.weight.float(), None if self.head.bias is None else self.head.bias.float()
+        ).squeeze(-1)
 
 
 def new_score_head(hidden_size: int, device: torch.device | str) -> nn.Linear:
@@ -95,19 +96,21 @@ def new_score_head(hidden_size: int, device: torch.device | str) -> nn.Linear:
     return head
 
 
-def pair_scores(rm: RewardModel, pairs: list[PairRow], pad_token_id: int,
-                parallel: Parallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_scores(
+    rm: RewardModel, pairs: list[PairRow], pad_token_id: int, parallel: Parallel | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen scores (B,), rejected scores (B,)) from one forward over the 2B sequences (through `parallel`'s
     DDP / FSDP2 hooks when given: under FSDP2 trunk and head are whole only inside them)."""
     batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id).to(rm.trunk.device)
     lengths = batch.attention_mask.sum(1)  # (2B,)
     scores = run_module(parallel, rm.trunk, lambda _trunk, ids, n: rm(ids, n), batch.input_ids, lengths)  # (2B,)
-    return scores[: len(pairs)], scores[len(pairs):]
+    return scores[: len(pairs)], scores[len(pairs) :]
 
 
 @torch.no_grad()
-def evaluate_rm(rm: RewardModel, pairs: list[PairRow], batch_size: int, pad_token_id: int,
-                parallel: Parallel | None = None) -> dict[str, float]:
+def evaluate_rm(
+    rm: RewardModel, pairs: list[PairRow], batch_size: int, pad_token_id: int, parallel: Parallel | None = None
+) -> dict[str, float]:
     """Held-out loss, pairwise accuracy (ties count half) and mean margin (through `parallel` when wrapped)."""
     was_training = rm.training
     rm.eval()
@@ -145,14 +148,25 @@ def train_reward_model(cfg: RMConfig) -> Path:
     start = open_run("rm", cfg)
     run_dir = start.run_dir
     if is_main():
-        (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=1, ensure_ascii=False) + "\n",
-                                                  encoding="utf-8")
-    logger.info("rm: %d train / %d held-out pairs of %s; %d steps of %d pairs; run dir %s",
-                len(data.train), len(data.eval), data.report["format"], max_steps, per_step, run_dir)
+        (run_dir / "data_report.json").write_text(
+            json.dumps(data.report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+    logger.info(
+        "rm: %d train / %d held-out pairs of %s; %d steps of %d pairs; run dir %s",
+        len(data.train),
+        len(data.eval),
+        data.report["format"],
+        max_steps,
+        per_step,
+        run_dir,
+    )
 
     optimizer = build_optimizer(rm, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
-        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        optimizer,
+        total_steps=max_steps,
+        schedule=optim_cfg.schedule,
+        min_lr_ratio=optim_cfg.min_lr_ratio,
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
     stream = batch_stream(data.train, train_cfg.batch_size, seed=train_cfg.seed)
@@ -174,15 +188,31 @@ def train_reward_model(cfg: RMConfig) -> Path:
         grad_norm, applied = optimizer_step(optimizer, scheduler, optim_cfg.max_grad_norm, loss=out["loss"])
         guard.record(step + 1, applied, out["loss"], grad_norm)
         means = {k: v / pairs for k, v in out.items() if k not in ("loss", "tokens")}
-        return {"loss": out["loss"], **means, "tokens": out["tokens"], "pairs": pairs, "grad_norm": grad_norm,
-                "skipped_updates": guard.total}
+        return {
+            "loss": out["loss"],
+            **means,
+            "tokens": out["tokens"],
+            "pairs": pairs,
+            "grad_norm": grad_norm,
+            "skipped_updates": guard.total,
+        }
 
     # A checkpoint is a reward-model directory too (score.safetensors beside the trunk); the head is also in
     # modules.safetensors, which the resume reads.
-    checkpointer = Checkpointer("rm", run_dir, trunk, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                modules={"head": rm.head}, state={"data": stream, "faults": guard},
-                                keep_last=train_cfg.keep_checkpoints, write_extras=lambda d: save_score_head(rm.head, d),
-                                parallel=parallel)
+    checkpointer = Checkpointer(
+        "rm",
+        run_dir,
+        trunk,
+        tokenizer,
+        cfg.model.name_or_path,
+        optimizer,
+        scheduler,
+        modules={"head": rm.head},
+        state={"data": stream, "faults": guard},
+        keep_last=train_cfg.keep_checkpoints,
+        write_extras=lambda d: save_score_head(rm.head, d),
+        parallel=parallel,
+    )
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id, through)) if data.eval else None
     with main_metrics(run_dir, cfg) as metrics:
@@ -190,11 +220,23 @@ def train_reward_model(cfg: RMConfig) -> Path:
             before = eval_fn()  # every rank scores all held-out pairs: the same figures everywhere
             if metrics is not None:
                 metrics.log(0, before)
-            logger.info("rm: held-out accuracy before training %.3f (%d pairs)", before["eval_accuracy"], len(data.eval))
-        last = run_steps(step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
-                         save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-                         save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress and is_main(),
-                         desc="rm")
+            logger.info(
+                "rm: held-out accuracy before training %.3f (%d pairs)", before["eval_accuracy"], len(data.eval)
+            )
+        last = run_steps(
+            step_fn,
+            max_steps=max_steps,
+            optimizer=optimizer,
+            metrics=metrics,
+            log_every=train_cfg.log_every,
+            save_every=train_cfg.save_every,
+            eval_every=train_cfg.eval_every,
+            eval_fn=eval_fn,
+            save_fn=checkpointer.save,
+            start_step=start_step,
+            progress=train_cfg.progress and is_main(),
+            desc="rm",
+        )
         if eval_fn is not None:
             logger.info("rm: held-out accuracy after training %.3f", last["eval_accuracy"])
     rm.eval()

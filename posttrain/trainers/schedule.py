@@ -35,12 +35,17 @@ def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int = 0, schedule: str = "cosine",
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "cosine",
     min_lr_ratio: float = 0.0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR; call `.step()` once after each optimizer step."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
-    fn = partial(lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule,
-                 min_lr_ratio=min_lr_ratio)
+    fn = partial(
+        lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

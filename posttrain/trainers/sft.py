@@ -125,7 +125,11 @@ def default_group_cost(device: torch.device) -> int:
 
 @torch.no_grad()
 def evaluate(
-    model: Transformer, units: list[Unit], batch_size: int, pad_token_id: int, group_cost_tokens: int | None = None,
+    model: Transformer,
+    units: list[Unit],
+    batch_size: int,
+    pad_token_id: int,
+    group_cost_tokens: int | None = None,
     parallel: Parallel | None = None,
 ) -> dict[str, float]:
     """Token-mean loss over `units`, in the same units as the training loss.
@@ -151,17 +155,29 @@ def load_sft_data(cfg: SFTConfig, tokenizer: Any) -> tuple[list[Unit], list[Unit
     """(train units, eval units, a report of what was read and skipped)."""
     data = cfg.data
     train = build_sft_rows(data, tokenizer, completion_only=data.completion_only_loss)
-    report: dict[str, Any] = {"path": data.path, "format": train.format, "rows_read": train.rows_read,
-                              "rows_kept": len(train.rows), "bad_rows": [vars(b) for b in train.bad_rows]}
+    report: dict[str, Any] = {
+        "path": data.path,
+        "format": train.format,
+        "rows_read": train.rows_read,
+        "rows_kept": len(train.rows),
+        "bad_rows": [vars(b) for b in train.bad_rows],
+    }
     rows, eval_rows = split_holdout(train.rows, data.eval_fraction, cfg.train.seed)
     if data.eval_path:
         held = build_sft_rows(data, tokenizer, completion_only=data.completion_only_loss, path=data.eval_path)
         eval_rows = held.rows
-        report["eval"] = {"path": data.eval_path, "rows_read": held.rows_read, "rows_kept": len(held.rows),
-                          "bad_rows": [vars(b) for b in held.bad_rows]}
+        report["eval"] = {
+            "path": data.eval_path,
+            "rows_read": held.rows_read,
+            "rows_kept": len(held.rows),
+            "bad_rows": [vars(b) for b in held.bad_rows],
+        }
     report["train_rows"], report["eval_rows"] = len(rows), len(eval_rows)
     if data.packing:
-        units: tuple[list[Unit], list[Unit]] = (pack_best_fit(rows, data.max_length), pack_best_fit(eval_rows, data.max_length))
+        units: tuple[list[Unit], list[Unit]] = (
+            pack_best_fit(rows, data.max_length),
+            pack_best_fit(eval_rows, data.max_length),
+        )
         report["packed_rows"] = len(units[0])
         return units[0], units[1], report
     return list(rows), list(eval_rows), report
@@ -212,13 +228,24 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     run_dir = start.run_dir
     if is_main():
         _write_report(run_dir, report)
-    logger.info("sft: %d rows of %s (%d bad, skipped) -> %d %s; %d steps of %d; run dir %s",
-                report["rows_kept"], report["format"], len(report["bad_rows"]), len(units),
-                "packed rows" if cfg.data.packing else "rows", max_steps, per_step, run_dir)
+    logger.info(
+        "sft: %d rows of %s (%d bad, skipped) -> %d %s; %d steps of %d; run dir %s",
+        report["rows_kept"],
+        report["format"],
+        len(report["bad_rows"]),
+        len(units),
+        "packed rows" if cfg.data.packing else "rows",
+        max_steps,
+        per_step,
+        run_dir,
+    )
 
     optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
-        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        optimizer,
+        total_steps=max_steps,
+        schedule=optim_cfg.schedule,
+        min_lr_ratio=optim_cfg.min_lr_ratio,
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
     stream = batch_stream(units, train_cfg.batch_size, seed=train_cfg.seed)
@@ -232,8 +259,11 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     def step(index: int) -> dict[str, float]:
         # All micro-batches of the step (each cut into length groups) share one normaliser: the step's
         # completion-token count over every rank, so the update does not depend on how the rows were split.
-        batches = [b for _ in range(train_cfg.grad_accum)
-                   for b in grouped_batches(parallel.shard(next(stream)), pad_id, train_group_cost, device)]
+        batches = [
+            b
+            for _ in range(train_cfg.grad_accum)
+            for b in grouped_batches(parallel.shard(next(stream)), pad_id, train_group_cost, device)
+        ]
         loss_tokens = int(all_reduce_count(sum(b.num_targets for b in batches), device))
 
         def loss_of(m: Transformer, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -250,14 +280,38 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
         guard.record(index + 1, applied, out["loss"], grad_norm)
         return {**out, "grad_norm": grad_norm, "loss_tokens": loss_tokens, "skipped_updates": guard.total}
 
-    evaluate_fn = ((lambda: evaluate(model, eval_units, train_cfg.batch_size, pad_id, group_cost, parallel))
-                   if eval_units else None)
-    checkpointer = Checkpointer("sft", run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints,
-                                parallel=parallel)
+    evaluate_fn = (
+        (lambda: evaluate(model, eval_units, train_cfg.batch_size, pad_id, group_cost, parallel))
+        if eval_units
+        else None
+    )
+    checkpointer = Checkpointer(
+        "sft",
+        run_dir,
+        model,
+        tokenizer,
+        cfg.model.name_or_path,
+        optimizer,
+        scheduler,
+        state={"data": stream, "faults": guard},
+        keep_last=train_cfg.keep_checkpoints,
+        parallel=parallel,
+    )
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
-    return SFTSession(model, tokenizer, run_dir, units, eval_units, optimizer, max_steps, step, evaluate_fn,
-                      checkpointer, start_step, parallel)
+    return SFTSession(
+        model,
+        tokenizer,
+        run_dir,
+        units,
+        eval_units,
+        optimizer,
+        max_steps,
+        step,
+        evaluate_fn,
+        checkpointer,
+        start_step,
+        parallel,
+    )
 
 
 def train_sft(cfg: SFTConfig) -> Path:
@@ -268,10 +322,18 @@ def train_sft(cfg: SFTConfig) -> Path:
     train_cfg = cfg.train
     with main_metrics(session.run_dir, cfg) as metrics:
         run_steps(
-            session.step, max_steps=session.max_steps, optimizer=session.optimizer, metrics=metrics,
-            log_every=train_cfg.log_every, save_every=train_cfg.save_every, eval_every=train_cfg.eval_every,
-            eval_fn=session.evaluate, progress=train_cfg.progress and is_main(), desc="sft",
-            save_fn=session.checkpointer.save, start_step=session.start_step,
+            session.step,
+            max_steps=session.max_steps,
+            optimizer=session.optimizer,
+            metrics=metrics,
+            log_every=train_cfg.log_every,
+            save_every=train_cfg.save_every,
+            eval_every=train_cfg.eval_every,
+            eval_fn=session.evaluate,
+            progress=train_cfg.progress and is_main(),
+            desc="sft",
+            save_fn=session.checkpointer.save,
+            start_step=session.start_step,
         )
     if session.parallel is not None and session.parallel.wrapped is not None:
         save_final_parallel(session.parallel, session.tokenizer, session.run_dir, base_model=cfg.model.name_or_path)

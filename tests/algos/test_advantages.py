@@ -126,8 +126,10 @@ def reference_reinforce_pp(
     ]
     mean, var = statistics.fmean(pool), statistics.variance(pool)
     return [
-        [(all_returns[i][t] - mean) / math.sqrt(var + 1e-8) if m and not math.isnan(scores[i]) else 0.0
-         for t, m in enumerate(row_mask)]
+        [
+            (all_returns[i][t] - mean) / math.sqrt(var + 1e-8) if m and not math.isnan(scores[i]) else 0.0
+            for t, m in enumerate(row_mask)
+        ]
         for i, row_mask in enumerate(mask)
     ]
 
@@ -136,12 +138,11 @@ def reference_reinforce_pp(
 def test_reinforce_pp_matches_loop(gamma: float, kl_coef: float) -> None:
     gen = torch.Generator().manual_seed(1)
     scores = [1.0, 0.0, NAN, 0.5, 2.0]
-    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0],
-                         [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]])
-    kl = torch.rand(5, 6, generator=gen)
-    adv, returns = reinforce_pp_advantages(
-        torch.tensor(scores), mask, gamma=gamma, per_token_kl=kl, kl_coef=kl_coef
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]]
     )
+    kl = torch.rand(5, 6, generator=gen)
+    adv, returns = reinforce_pp_advantages(torch.tensor(scores), mask, gamma=gamma, per_token_kl=kl, kl_coef=kl_coef)
     want = reference_reinforce_pp(scores, mask.tolist(), gamma, kl.tolist(), kl_coef)
     torch.testing.assert_close(adv, torch.tensor(want), atol=1e-5, rtol=1e-5)
     assert returns[1, 0].item() == pytest.approx(sum(-kl_coef * kl[1, t].item() * gamma**t for t in range(3)) + 0.0)

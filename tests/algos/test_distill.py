@@ -8,7 +8,9 @@ from posttrain.algos.distill import DISTILL_LOSSES, forward_kl, generalized_jsd,
 
 def _logits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 2, torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 2
+    return torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 2, torch.randn(
+        2, 5, 11, generator=g, dtype=torch.float64
+    ) * 2
 
 
 def test_kl_against_definition():

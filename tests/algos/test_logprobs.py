@@ -71,9 +71,7 @@ def test_token_logprobs_keep_no_second_vocab_sized_copy() -> None:
     full_copy = batch * time * vocab * 4
 
     _, ours = saved_bytes(lambda: token_logprobs(logits, labels, chunk_tokens=16), logits)
-    _, dense = saved_bytes(
-        lambda: torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1), logits
-    )
+    _, dense = saved_bytes(lambda: torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1), logits)
     assert dense >= full_copy  # the dense path keeps the whole log-softmax
     assert ours < full_copy / 20  # ours: logsumexp + labels, (B, T) each
 

@@ -33,19 +33,36 @@ def _batch() -> dict[str, torch.Tensor]:
     }
 
 
-def _objective(x: dict[str, torch.Tensor], rows: slice, params: ObjectiveParams, logps: torch.Tensor,
-               values: torch.Tensor):
-    return rl_objective(logps[rows], x["adv"][rows], x["mask"][rows], params, old_logprobs=x["old"][rows],
-                        rollout_logprobs=x["sampler"][rows], ref_logprobs=x["ref"][rows],
-                        entropy=x["entropy"][rows], values=values[rows], old_values=x["old_values"][rows],
-                        returns=x["returns"][rows])
+def _objective(
+    x: dict[str, torch.Tensor], rows: slice, params: ObjectiveParams, logps: torch.Tensor, values: torch.Tensor
+):
+    return rl_objective(
+        logps[rows],
+        x["adv"][rows],
+        x["mask"][rows],
+        params,
+        old_logprobs=x["old"][rows],
+        rollout_logprobs=x["sampler"][rows],
+        ref_logprobs=x["ref"][rows],
+        entropy=x["entropy"][rows],
+        values=values[rows],
+        old_values=x["old_values"][rows],
+        returns=x["returns"][rows],
+    )
 
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 def test_micro_batch_sums_over_summed_normalisers_are_the_whole_batch(aggregation: str) -> None:
     x = _batch()
-    params = ObjectiveParams("dapo", aggregation, MAX_LEN, {"clip_eps_low": 0.2, "clip_eps_high": 0.28},
-                             tis_cap=1.1, kl_coef=0.05, entropy_coef=0.01)
+    params = ObjectiveParams(
+        "dapo",
+        aggregation,
+        MAX_LEN,
+        {"clip_eps_low": 0.2, "clip_eps_high": 0.28},
+        tis_cap=1.1,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+    )
 
     def loss_and_grads(splits: list[slice]) -> tuple[torch.Tensor, ...]:
         logps, values = x["logps"].clone().requires_grad_(), x["values"].clone().requires_grad_()
@@ -61,8 +78,12 @@ def test_micro_batch_sums_over_summed_normalisers_are_the_whole_batch(aggregatio
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, **TOL)
     assert whole[1].abs().sum() > 0 and whole[2].abs().sum() > 0
-    want = {"token-mean": float(x["mask"].sum()), "seq-mean-token-mean": B - 1.0, "seq-mean-token-sum": B - 1.0,
-            "seq-mean-token-sum-norm": float(B * MAX_LEN)}[aggregation]
+    want = {
+        "token-mean": float(x["mask"].sum()),
+        "seq-mean-token-mean": B - 1.0,
+        "seq-mean-token-sum": B - 1.0,
+        "seq-mean-token-sum-norm": float(B * MAX_LEN),
+    }[aggregation]
     assert float(_objective(x, slice(0, B), params, x["logps"], x["values"]).policy.normaliser) == want
 
 
@@ -76,17 +97,27 @@ def test_value_term_is_the_token_mean_of_the_clipped_value_loss() -> None:
     assert out.value.normaliser == x["mask"].sum()
 
 
-@pytest.mark.parametrize("terms, missing, match", [
-    ({"tis_cap": 2.0}, "rollout_logprobs", "tis_cap needs rollout_logprobs"),
-    ({"kl_coef": 0.1}, "ref_logprobs", "kl_coef > 0 needs ref_logprobs"),
-    ({"entropy_coef": 0.1}, "entropy", "entropy_coef > 0 needs the entropy"),
-    ({}, "returns", "needs values, old_values and returns"),
-])
+@pytest.mark.parametrize(
+    "terms, missing, match",
+    [
+        ({"tis_cap": 2.0}, "rollout_logprobs", "tis_cap needs rollout_logprobs"),
+        ({"kl_coef": 0.1}, "ref_logprobs", "kl_coef > 0 needs ref_logprobs"),
+        ({"entropy_coef": 0.1}, "entropy", "entropy_coef > 0 needs the entropy"),
+        ({}, "returns", "needs values, old_values and returns"),
+    ],
+)
 def test_a_term_without_its_input_is_refused(terms: dict, missing: str, match: str) -> None:
     x = _batch()
     params = dataclasses.replace(ObjectiveParams("ppo_clip", "token-mean", MAX_LEN), **terms)
-    inputs = {"old_logprobs": x["old"], "rollout_logprobs": x["sampler"], "ref_logprobs": x["ref"],
-              "entropy": x["entropy"], "values": x["values"], "old_values": x["old_values"], "returns": x["returns"]}
+    inputs = {
+        "old_logprobs": x["old"],
+        "rollout_logprobs": x["sampler"],
+        "ref_logprobs": x["ref"],
+        "entropy": x["entropy"],
+        "values": x["values"],
+        "old_values": x["old_values"],
+        "returns": x["returns"],
+    }
     inputs[missing] = None
     with pytest.raises(ValueError, match=match):
         rl_objective(x["logps"], x["adv"], x["mask"], params, **inputs)

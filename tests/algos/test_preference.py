@@ -110,13 +110,25 @@ def test_kto_formula_with_reference_point() -> None:
     ref = torch.tensor([-11.0, -11.0, -9.0, -18.0])
     desirable = torch.tensor([True, False, True, False])
     policy_kl, ref_kl = torch.tensor([-30.0, -31.0]), torch.tensor([-30.5, -31.5])  # z0 = 0.5
-    loss, m = kto_loss(policy, ref, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl,
-                       beta=0.1, desirable_weight=1.0, undesirable_weight=2.0)
+    loss, m = kto_loss(
+        policy,
+        ref,
+        desirable,
+        policy_kl_logps=policy_kl,
+        ref_kl_logps=ref_kl,
+        beta=0.1,
+        desirable_weight=1.0,
+        undesirable_weight=2.0,
+    )
     r = policy - ref  # [1, -1, 1, -2]
-    want = torch.stack([
-        1 - torch.sigmoid(0.1 * (r[0] - 0.5)), 2 * (1 - torch.sigmoid(0.1 * (0.5 - r[1]))),
-        1 - torch.sigmoid(0.1 * (r[2] - 0.5)), 2 * (1 - torch.sigmoid(0.1 * (0.5 - r[3]))),
-    ]).mean()
+    want = torch.stack(
+        [
+            1 - torch.sigmoid(0.1 * (r[0] - 0.5)),
+            2 * (1 - torch.sigmoid(0.1 * (0.5 - r[1]))),
+            1 - torch.sigmoid(0.1 * (r[2] - 0.5)),
+            2 * (1 - torch.sigmoid(0.1 * (0.5 - r[3]))),
+        ]
+    ).mean()
     torch.testing.assert_close(loss, want)
     assert m["kl"].item() == pytest.approx(0.5)
     assert m["rewards/chosen"].item() == pytest.approx(0.1)

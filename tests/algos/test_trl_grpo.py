@@ -35,8 +35,15 @@ TOL = dict(atol=1e-6, rtol=1e-6)
 TIS_CAP = 1.1  # below the largest weights exp(old - sampler) of the tensors below: some are truncated
 
 
-def _grpo_trainer(loss_type: str, level: str, eps_low: float, eps_high: float, params: ObjectiveParams,
-                  logps: torch.Tensor, entropies: torch.Tensor):
+def _grpo_trainer(
+    loss_type: str,
+    level: str,
+    eps_low: float,
+    eps_high: float,
+    params: ObjectiveParams,
+    logps: torch.Tensor,
+    entropies: torch.Tensor,
+):
     """The attributes GRPOTrainer._compute_loss reads (off-policy masks, top-entropy masks, aux loss off)."""
     trainer = object.__new__(GRPOTrainer)
     trainer.model = SimpleNamespace(training=True)
@@ -65,15 +72,35 @@ def trl_truncated_is_ratio(old: torch.Tensor, sampler: torch.Tensor, mask: torch
 
 # TRL loss_type, importance level, our objective, TRL eps_low/high, noise of the policy logps around pi_old
 CASES = {
-    "grpo": ("grpo", "token", ObjectiveParams("grpo", "seq-mean-token-mean", MAX_LEN, {"clip_eps": 0.2}),
-             (0.2, 0.2), 0.3),
+    "grpo": (
+        "grpo",
+        "token",
+        ObjectiveParams("grpo", "seq-mean-token-mean", MAX_LEN, {"clip_eps": 0.2}),
+        (0.2, 0.2),
+        0.3,
+    ),
     "bnpo": ("bnpo", "token", ObjectiveParams("ppo_clip", "token-mean", MAX_LEN, {"clip_eps": 0.2}), (0.2, 0.2), 0.3),
-    "dr_grpo": ("dr_grpo", "token", ObjectiveParams("ppo_clip", "seq-mean-token-sum-norm", MAX_LEN, {"clip_eps": 0.2}),
-                (0.2, 0.2), 0.3),
-    "dapo": ("dapo", "token", ObjectiveParams("dapo", "token-mean", MAX_LEN,
-                                              {"clip_eps_low": 0.2, "clip_eps_high": 0.28}), (0.2, 0.28), 0.3),
-    "gspo": ("grpo", "sequence", ObjectiveParams("gspo", "seq-mean-token-mean", MAX_LEN,
-                                                 {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4}), (3e-4, 4e-4), 0.002),
+    "dr_grpo": (
+        "dr_grpo",
+        "token",
+        ObjectiveParams("ppo_clip", "seq-mean-token-sum-norm", MAX_LEN, {"clip_eps": 0.2}),
+        (0.2, 0.2),
+        0.3,
+    ),
+    "dapo": (
+        "dapo",
+        "token",
+        ObjectiveParams("dapo", "token-mean", MAX_LEN, {"clip_eps_low": 0.2, "clip_eps_high": 0.28}),
+        (0.2, 0.28),
+        0.3,
+    ),
+    "gspo": (
+        "grpo",
+        "sequence",
+        ObjectiveParams("gspo", "seq-mean-token-mean", MAX_LEN, {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4}),
+        (3e-4, 4e-4),
+        0.002,
+    ),
 }
 # The objective's other terms, on top of each case's policy loss (TRL's beta is our kl_coef, with k3).
 TERMS = {
@@ -87,8 +114,12 @@ TOKEN_MEAN_CASES = ("bnpo", "dapo")  # where TRL's entropy bonus (a token mean) 
 # gradient s_i * d log pi_t by its own w_t; TRL's sequence ratio spreads the weights, every token getting
 # s_i * mean_u(w_u) * d log pi_t. With w = 1 the two coincide (gspo is compared without TIS).
 DIFFERENT_IN_TRL = {("gspo", "tis+kl")}
-COMBOS = [(case, terms) for case in CASES for terms in TERMS
-          if ("entropy" not in terms or case in TOKEN_MEAN_CASES) and (case, terms) not in DIFFERENT_IN_TRL]
+COMBOS = [
+    (case, terms)
+    for case in CASES
+    for terms in TERMS
+    if ("entropy" not in terms or case in TOKEN_MEAN_CASES) and (case, terms) not in DIFFERENT_IN_TRL
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -104,15 +135,20 @@ def test_objective_matches_trl_grpo_trainer(case: str, terms: str, dtype: torch.
     entropy0 = 2 * torch.rand(B, T, generator=gen, dtype=torch.float64)
     mask = (torch.arange(T) < torch.randint(1, T + 1, (B, 1), generator=gen)).long()  # no empty rows
     advantages = torch.randn(B, generator=gen, dtype=torch.float64)
-    old, logps0, ref, sampler, entropy0, advantages = (x.to(dtype) for x in (old, logps0, ref, sampler, entropy0,
-                                                                              advantages))
+    old, logps0, ref, sampler, entropy0, advantages = (
+        x.to(dtype) for x in (old, logps0, ref, sampler, entropy0, advantages)
+    )
 
     trl_logps, trl_entropy = logps0.clone().requires_grad_(), entropy0.clone().requires_grad_()
     trainer = _grpo_trainer(trl_type, level, eps_low, eps_high, params, trl_logps, trl_entropy)
     inputs = {
-        "prompt_ids": torch.zeros(B, 3, dtype=torch.long), "prompt_mask": torch.ones(B, 3, dtype=torch.long),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-        "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "prompt_ids": torch.zeros(B, 3, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 3, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(),
     }
     if params.tis_cap is not None:
@@ -123,8 +159,16 @@ def test_objective_matches_trl_grpo_trainer(case: str, terms: str, dtype: torch.
     trl_loss.backward()
 
     logps, entropy = logps0.clone().requires_grad_(), entropy0.clone().requires_grad_()
-    objective = rl_objective(logps, advantages, mask, params, old_logprobs=old, rollout_logprobs=sampler,
-                             ref_logprobs=ref if params.kl_coef else None, entropy=entropy)
+    objective = rl_objective(
+        logps,
+        advantages,
+        mask,
+        params,
+        old_logprobs=old,
+        rollout_logprobs=sampler,
+        ref_logprobs=ref if params.kl_coef else None,
+        entropy=entropy,
+    )
     loss = objective.policy.sum / objective.policy.normaliser
     loss.backward()
 
@@ -143,8 +187,9 @@ def test_objective_matches_trl_grpo_trainer(case: str, terms: str, dtype: torch.
 
 
 NAN = float("nan")
-REWARDS = torch.tensor([1.0, 0.0, 0.5, NAN, 2.0, 2.0, 2.0, 2.0, NAN, NAN, NAN, NAN, 3.0, NAN, NAN, NAN,
-                        0.1, 0.9, 0.4, 0.3])
+REWARDS = torch.tensor(
+    [1.0, 0.0, 0.5, NAN, 2.0, 2.0, 2.0, 2.0, NAN, NAN, NAN, NAN, 3.0, NAN, NAN, NAN, 0.1, 0.9, 0.4, 0.3]
+)
 
 
 def trl_grpo_advantages(rewards: torch.Tensor, num_generations: int, scale: bool) -> torch.Tensor:

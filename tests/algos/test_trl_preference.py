@@ -50,12 +50,15 @@ def _dpo_trainer(loss_type: str, beta: float, label_smoothing: float) -> DPOTrai
     return trainer
 
 
-@pytest.mark.parametrize("name, trl_name, params", [
-    ("sigmoid", "sigmoid", {"beta": 0.1}),
-    ("hinge", "hinge", {"beta": 0.3}),
-    ("ipo", "ipo", {"beta": 0.1}),
-    ("robust", "robust", {"beta": 0.1, "label_smoothing": 0.2}),
-])
+@pytest.mark.parametrize(
+    "name, trl_name, params",
+    [
+        ("sigmoid", "sigmoid", {"beta": 0.1}),
+        ("hinge", "hinge", {"beta": 0.3}),
+        ("ipo", "ipo", {"beta": 0.1}),
+        ("robust", "robust", {"beta": 0.1, "label_smoothing": 0.2}),
+    ],
+)
 def test_dpo_family_matches_trl_dpo_trainer(name: str, trl_name: str, params: dict) -> None:
     model = TokenTableModel(_table(0))
     batch = sequences(2 * PAIRS, LENGTH, VOCAB, seed=1)  # rows [chosen..., rejected...], as TRL batches them
@@ -66,8 +69,10 @@ def test_dpo_family_matches_trl_dpo_trainer(name: str, trl_name: str, params: di
 
     logps, lengths = _sums_and_lengths(model, batch)
     tensors = dict(
-        policy_chosen_logps=logps[:PAIRS], policy_rejected_logps=logps[PAIRS:],
-        ref_chosen_logps=ref_logps[:PAIRS], ref_rejected_logps=ref_logps[PAIRS:],
+        policy_chosen_logps=logps[:PAIRS],
+        policy_rejected_logps=logps[PAIRS:],
+        ref_chosen_logps=ref_logps[:PAIRS],
+        ref_rejected_logps=ref_logps[PAIRS:],
     )
     if name == "ipo":
         tensors.update(chosen_lengths=lengths[:PAIRS], rejected_lengths=lengths[PAIRS:])
@@ -75,15 +80,25 @@ def test_dpo_family_matches_trl_dpo_trainer(name: str, trl_name: str, params: di
 
     torch.testing.assert_close(loss, trl_loss, **TOL)
     logged = trainer._metrics["train"]
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-                "logps/chosen", "logps/rejected"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert metrics[key].item() == pytest.approx(logged[key][-1], abs=1e-6), key
 
 
 def _cpo_self(loss_type: str, beta: float, gamma: float, label_smoothing: float) -> SimpleNamespace:
     """The attributes CPOTrainer.cpo_loss reads."""
     return SimpleNamespace(
-        alpha=0.0, accelerator=FakeAccelerator(), loss_type=loss_type, simpo_gamma=gamma, beta=beta,
+        alpha=0.0,
+        accelerator=FakeAccelerator(),
+        loss_type=loss_type,
+        simpo_gamma=gamma,
+        beta=beta,
         label_smoothing=label_smoothing,
     )
 
@@ -97,7 +112,12 @@ def test_simpo_matches_trl_cpo_trainer(label_smoothing: float) -> None:
     losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(fake, avg[:PAIRS], avg[PAIRS:])
 
     loss, metrics = PREFERENCE_LOSSES["simpo"](
-        logps[:PAIRS], logps[PAIRS:], lengths[:PAIRS], lengths[PAIRS:], beta=2.0, gamma=0.7,
+        logps[:PAIRS],
+        logps[PAIRS:],
+        lengths[:PAIRS],
+        lengths[PAIRS:],
+        beta=2.0,
+        gamma=0.7,
         label_smoothing=label_smoothing,
     )
     torch.testing.assert_close(loss, losses.mean(), **TOL)  # SimPO sets cpo_alpha = 0: no NLL term
@@ -163,8 +183,12 @@ def test_kto_matches_trl_kto_trainer(kl_shift: float) -> None:
     raw_z0 = (policy_kl - ref_kl).mean()  # in (0, 0.3) unshifted, about -25 shifted: the clamp's two sides
     assert (raw_z0 > 0) if kl_shift == 0 else (raw_z0 < -20)
     inputs = dict(
-        batch, label=desirable, ref_logps=ref_logps, ref_KL_logps=ref_kl,
-        KL_input_ids=kl_batch["input_ids"], KL_attention_mask=kl_batch["attention_mask"],
+        batch,
+        label=desirable,
+        ref_logps=ref_logps,
+        ref_KL_logps=ref_kl,
+        KL_input_ids=kl_batch["input_ids"],
+        KL_attention_mask=kl_batch["attention_mask"],
         KL_completion_mask=kl_batch["completion_mask"],
     )
     trainer = _kto_trainer(beta=0.2, desirable_weight=1.0, undesirable_weight=1.5)
@@ -172,8 +196,14 @@ def test_kto_matches_trl_kto_trainer(kl_shift: float) -> None:
 
     policy_logps, _ = _sums_and_lengths(model, batch)
     loss, metrics = PREFERENCE_LOSSES["kto"](
-        policy_logps, ref_logps, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl,
-        beta=0.2, desirable_weight=1.0, undesirable_weight=1.5,
+        policy_logps,
+        ref_logps,
+        desirable,
+        policy_kl_logps=policy_kl,
+        ref_kl_logps=ref_kl,
+        beta=0.2,
+        desirable_weight=1.0,
+        undesirable_weight=1.5,
     )
     torch.testing.assert_close(loss, trl_loss, **TOL)
     assert metrics["kl"].item() == max(raw_z0.item(), 0.0)

@@ -30,8 +30,14 @@ KILL_AT_UPDATE = 4  # inside step 4: checkpoint 2 is the newest committed one, s
 
 def run_cli(mode: str, count: int, argv: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(WRAPPER), mode, str(count), "--", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=3600)
+    return subprocess.run(
+        [sys.executable, str(WRAPPER), mode, str(count), "--", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -73,8 +79,15 @@ def sft_data(tmp_path: Path) -> Path:
 
 
 def common(model: Path, data: Path) -> list[str]:
-    return [f"model.name_or_path={model}", f"data.path={data}", "train.progress=false", f"train.max_steps={STEPS}",
-            "train.save_every=2", "train.batch_size=2", "optim.lr=1e-2"]
+    return [
+        f"model.name_or_path={model}",
+        f"data.path={data}",
+        "train.progress=false",
+        f"train.max_steps={STEPS}",
+        "train.save_every=2",
+        "train.batch_size=2",
+        "optim.lr=1e-2",
+    ]
 
 
 def test_sft_with_lora_dropout_resumes_bitwise(tmp_path: Path) -> None:
@@ -96,12 +109,23 @@ def test_grpo_resumes_bitwise(tmp_path: Path) -> None:
 
     tok = tokenizer()
     model = save_hf_dir(tiny_model(tok), tmp_path / "model", tokenizer=tok)
-    argv = ["grpo", f"model.name_or_path={model}", f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
-            "data.eval_size=0", "log.progress=false", f"train.max_steps={STEPS}", "train.save_every=2",
-            "train.max_minutes=null", "optim.lr=1e-2"]
-    check_kill_and_resume(tmp_path, argv, ("loss/policy", "reward/mean", "grad_norm", "entropy", "policy_version",
-                                           "optimizer_steps"))
+    argv = [
+        "grpo",
+        f"model.name_or_path={model}",
+        f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_tokens=6",
+        "data.eval_size=0",
+        "log.progress=false",
+        f"train.max_steps={STEPS}",
+        "train.save_every=2",
+        "train.max_minutes=null",
+        "optim.lr=1e-2",
+    ]
+    check_kill_and_resume(
+        tmp_path, argv, ("loss/policy", "reward/mean", "grad_norm", "entropy", "policy_version", "optimizer_steps")
+    )
 
 
 def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path: Path) -> None:

@@ -105,8 +105,17 @@ def test_checkpointer_restores_everything_without_pickle(tmp_path: Path, monkeyp
     model, optimizer, scheduler = setup(lora)
     stream = batch_stream(list(range(5)), 2, seed=0)
     head = torch.nn.Linear(4, 1)  # a module trained beside the model (rm's score head, ppo's value head)
-    keep = Checkpointer("sft", tmp_path, model, tiny_tokenizer(), "base", optimizer, scheduler,
-                        modules={"head": head}, state={"data": stream})
+    keep = Checkpointer(
+        "sft",
+        tmp_path,
+        model,
+        tiny_tokenizer(),
+        "base",
+        optimizer,
+        scheduler,
+        modules={"head": head},
+        state={"data": stream},
+    )
     train_a_little(model, optimizer, scheduler, 3)
     next(stream)
     path = keep.save(3)
@@ -123,8 +132,17 @@ def test_checkpointer_restores_everything_without_pickle(tmp_path: Path, monkeyp
     fresh, fresh_optimizer, fresh_scheduler = setup(lora)
     fresh_stream = batch_stream(list(range(5)), 2, seed=0)
     fresh_head = torch.nn.Linear(4, 1)
-    again = Checkpointer("sft", tmp_path, fresh, tiny_tokenizer(), "base", fresh_optimizer, fresh_scheduler,
-                         modules={"head": fresh_head}, state={"data": fresh_stream})
+    again = Checkpointer(
+        "sft",
+        tmp_path,
+        fresh,
+        tiny_tokenizer(),
+        "base",
+        fresh_optimizer,
+        fresh_scheduler,
+        modules={"head": fresh_head},
+        state={"data": fresh_stream},
+    )
     assert again.restore(path) == 3
     assert fresh_stream.position == 1 and fresh_scheduler.last_epoch == 3
     assert torch.equal(fresh_head.weight, head.weight) and torch.equal(fresh_head.bias, head.bias)

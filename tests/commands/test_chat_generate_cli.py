@@ -38,13 +38,19 @@ def test_generate_refuses_a_prompt_argument_that_is_not_utf8(model_dir, capsys):
     assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff) at character 4"]
 
 
-@pytest.mark.parametrize(("name", "content", "expected"), [
-    ("prompts.txt", b"fine\nbad \xff here\n", "2:5: invalid UTF-8 (byte 0xff)"),
-    ("prompts.jsonl", b'{"prompt": "fine"}\n{"prompt": "bad \xff"}\n', "2:17: invalid UTF-8 (byte 0xff)"),
-    # valid UTF-8 and valid JSON, but an unpaired surrogate escape is not text
-    ("prompts.jsonl", b'{"prompt": "fine"}\n\n{"messages": [{"role": "user", "content": "a\\udcff"}]}\n',
-     "3: messages: a string holds the lone surrogate U+DCFF, which is not text"),
-])
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("prompts.txt", b"fine\nbad \xff here\n", "2:5: invalid UTF-8 (byte 0xff)"),
+        ("prompts.jsonl", b'{"prompt": "fine"}\n{"prompt": "bad \xff"}\n', "2:17: invalid UTF-8 (byte 0xff)"),
+        # valid UTF-8 and valid JSON, but an unpaired surrogate escape is not text
+        (
+            "prompts.jsonl",
+            b'{"prompt": "fine"}\n\n{"messages": [{"role": "user", "content": "a\\udcff"}]}\n',
+            "3: messages: a string holds the lone surrogate U+DCFF, which is not text",
+        ),
+    ],
+)
 def test_generate_refuses_a_prompts_file_that_is_not_utf8(model_dir, tmp_path, capsys, name, content, expected):
     path = tmp_path / name
     path.write_bytes(content)

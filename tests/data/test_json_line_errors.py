@@ -37,12 +37,15 @@ READERS: dict[str, Callable[[Path], Any]] = {
 
 
 @pytest.mark.parametrize("reader", list(READERS))
-@pytest.mark.parametrize("bad_line, at, reason", [
-    # cut short: blamed just after its last character, on its own line
-    (b'{"prompt": "p", "question": "q"\n', "3:32", "invalid JSON: Expecting ',' delimiter"),
-    (b'{"prompt": "p" "question": "q"}\n', "3:16", "invalid JSON: Expecting ',' delimiter"),
-    (b'{"prompt": "p\xff"}\n', "3:14", "invalid UTF-8 (byte 0xff)"),
-])
+@pytest.mark.parametrize(
+    "bad_line, at, reason",
+    [
+        # cut short: blamed just after its last character, on its own line
+        (b'{"prompt": "p", "question": "q"\n', "3:32", "invalid JSON: Expecting ',' delimiter"),
+        (b'{"prompt": "p" "question": "q"}\n', "3:16", "invalid JSON: Expecting ',' delimiter"),
+        (b'{"prompt": "p\xff"}\n', "3:14", "invalid UTF-8 (byte 0xff)"),
+    ],
+)
 def test_a_bad_line_is_one_error_at_its_line_and_column(tmp_path, reader, bad_line, at, reason):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(GOOD * 2 + bad_line + GOOD * 2)

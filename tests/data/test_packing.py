@@ -32,7 +32,8 @@ def test_best_fit_packs_every_sequence_once_within_max_length():
     packed = pack_best_fit(rows, 64)
     assert all(len(p) <= 64 and sum(p.seq_lengths) == len(p) for p in packed)
     assert sorted(tuple(r.input_ids) for r in rows) == sorted(
-        tuple(p.input_ids[s - n : s]) for p in packed for s, n in zip(_ends(p.seq_lengths), p.seq_lengths))
+        tuple(p.input_ids[s - n : s]) for p in packed for s, n in zip(_ends(p.seq_lengths), p.seq_lengths)
+    )
     total = sum(len(r) for r in rows)
     assert len(packed) <= -(-total // 64) + 2  # within two rows of the lower bound
 
@@ -86,7 +87,11 @@ def test_length_groups_trade_padding_for_passes():
 
     lengths = [132, 132, 196, 218, 136, 265, 184, 256]
     assert length_groups(lengths, 10_000) == [[5, 7, 3, 2, 6, 4, 0, 1]]  # one padded batch, longest first
-    assert [[lengths[i] for i in g] for g in length_groups(lengths, 64)] == [[265, 256], [218, 196, 184], [136, 132, 132]]
+    assert [[lengths[i] for i in g] for g in length_groups(lengths, 64)] == [
+        [265, 256],
+        [218, 196, 184],
+        [136, 132, 132],
+    ]
     assert sorted(i for g in length_groups(lengths, 0) for i in g) == list(range(8))
 
 

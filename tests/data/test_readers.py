@@ -47,11 +47,14 @@ def test_json_array_syntax_error_names_the_line(tmp_path):
         list(read_rows(path))
 
 
-@pytest.mark.parametrize("text, where", [
-    ('[\n{"a": 1},\n{"a": 2\n', "3:8"),      # cut short: blamed after its last character, not on line 4
-    ('[\n{"a": 1}\n\n', "2:9"),              # the closing bracket is missing
-    ('[\n  {"a": 1} {"a": 2}]', "2:12"),      # no comma between items: where the next item starts
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ('[\n{"a": 1},\n{"a": 2\n', "3:8"),  # cut short: blamed after its last character, not on line 4
+        ('[\n{"a": 1}\n\n', "2:9"),  # the closing bracket is missing
+        ('[\n  {"a": 1} {"a": 2}]', "2:12"),  # no comma between items: where the next item starts
+    ],
+)
 def test_json_array_errors_name_line_and_column(tmp_path, text, where):
     path = tmp_path / "d.json"
     path.write_text(text)
@@ -61,25 +64,32 @@ def test_json_array_errors_name_line_and_column(tmp_path, text, where):
 
 def test_bad_json_lines_go_to_on_error_and_reading_continues(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_bytes(jsonl_bytes(ROWS[:1]) + b'{"prompt": "a", \n' + b'\xff\xfe{"x": 1}\n' + b"[1, 2]\n"
-                     + jsonl_bytes(ROWS[1:2]))
+    path.write_bytes(
+        jsonl_bytes(ROWS[:1]) + b'{"prompt": "a", \n' + b'\xff\xfe{"x": 1}\n' + b"[1, 2]\n" + jsonl_bytes(ROWS[1:2])
+    )
     errors = []
     rows = list(read_rows(path, on_error=lambda n, column, reason: errors.append((n, column, reason))))
     assert rows == [(1, ROWS[0]), (5, ROWS[1])]
-    assert errors == [(2, 16, "invalid JSON: Expecting property name enclosed in double quotes"),
-                      (3, 1, "invalid UTF-8 (byte 0xff)"), (4, None, "expected a JSON object, got list")]
+    assert errors == [
+        (2, 16, "invalid JSON: Expecting property name enclosed in double quotes"),
+        (3, 1, "invalid UTF-8 (byte 0xff)"),
+        (4, None, "expected a JSON object, got list"),
+    ]
     with pytest.raises(DataError, match=r"d\.jsonl:2:16: invalid JSON"):  # without on_error: an error at once
         list(read_rows(path))
 
 
-@pytest.mark.parametrize("line, column, reason", [
-    # cut short: the decoder runs out at the newline; the place is just after the line's last character
-    (b'{"prompt": "a", "completion": "b"\n', 34, "invalid JSON: Expecting ',' delimiter"),
-    (b'{"prompt": "a", "completion": "b"  \r\n', 34, "invalid JSON: Expecting ',' delimiter"),
-    (b'{"prompt": "a" "completion": "b"}\n', 16, "invalid JSON: Expecting ',' delimiter"),
-    (b'  {"prompt": tru}\n', 14, "invalid JSON: Expecting value"),
-    ('{"prompt": "ü'.encode() + b'\xff"}\n', 14, "invalid UTF-8 (byte 0xff)"),  # characters, not bytes
-])
+@pytest.mark.parametrize(
+    "line, column, reason",
+    [
+        # cut short: the decoder runs out at the newline; the place is just after the line's last character
+        (b'{"prompt": "a", "completion": "b"\n', 34, "invalid JSON: Expecting ',' delimiter"),
+        (b'{"prompt": "a", "completion": "b"  \r\n', 34, "invalid JSON: Expecting ',' delimiter"),
+        (b'{"prompt": "a" "completion": "b"}\n', 16, "invalid JSON: Expecting ',' delimiter"),
+        (b'  {"prompt": tru}\n', 14, "invalid JSON: Expecting value"),
+        ('{"prompt": "ü'.encode() + b'\xff"}\n', 14, "invalid UTF-8 (byte 0xff)"),  # characters, not bytes
+    ],
+)
 def test_a_bad_line_is_reported_at_its_own_line_and_column(tmp_path, line, column, reason):
     path = tmp_path / "d.jsonl"
     path.write_bytes(jsonl_bytes(ROWS[:2]) + line + jsonl_bytes(ROWS[2:]))
@@ -123,8 +133,9 @@ def test_datasets_save_to_disk_dataset_and_dataset_dict(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
     assert [row for _, row in read_rows(tmp_path / "ds")] == ROWS
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:2]),
-                          "test": datasets.Dataset.from_list(ROWS[2:])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:2]), "test": datasets.Dataset.from_list(ROWS[2:])}
+    ).save_to_disk(str(tmp_path / "dd"))
     assert [row for _, row in read_rows(tmp_path / "dd", split="test")] == ROWS[2:]
     assert list(read_rows(tmp_path / "dd"))[1] == (2, ROWS[1])  # split defaults to train
     with pytest.raises(DataError, match="no split 'validation'"):
@@ -165,8 +176,15 @@ def test_lines_the_json_parser_cannot_take_are_bad_rows_too(tmp_path):
     if limit == 0:
         pytest.skip("this interpreter has no integer digit limit")
     path = tmp_path / "d.jsonl"
-    path.write_bytes(jsonl_bytes(ROWS[:1]) + b"[" * 100_000 + b"\n"  # past any recursion limit
-                     + b'{"n": ' + b"1" * (limit + 1) + b"}\n" + jsonl_bytes(ROWS[1:2]))
+    path.write_bytes(
+        jsonl_bytes(ROWS[:1])
+        + b"[" * 100_000
+        + b"\n"  # past any recursion limit
+        + b'{"n": '
+        + b"1" * (limit + 1)
+        + b"}\n"
+        + jsonl_bytes(ROWS[1:2])
+    )
     errors = []
     rows = list(read_rows(path, on_error=lambda n, column, reason: errors.append((n, column, reason))))
     assert rows == [(1, ROWS[0]), (4, ROWS[1])]

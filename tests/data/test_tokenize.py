@@ -16,8 +16,15 @@ from tests.data.tiny import CHATML_TEMPLATE, tiny_tokenizer
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
-MULTI_TURN = [{"role": "system", "content": "Be brief."}, U("What is two plus three?"), A("five"),
-              U("And the sky?"), A("The sky is blue."), U("Thanks"), A("Hello!")]
+MULTI_TURN = [
+    {"role": "system", "content": "Be brief."},
+    U("What is two plus three?"),
+    A("five"),
+    U("And the sky?"),
+    A("The sky is blue."),
+    U("Thanks"),
+    A("Hello!"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +46,9 @@ def trained_text(tok, row: TokenizedRow) -> list[str]:
 
 def test_prompt_completion_conversational(tok):
     row = tokenize_sft(tok, PromptCompletion([U("What is two plus three?")], [A("five")]))
-    assert row.input_ids == tok.apply_chat_template([U("What is two plus three?"), A("five")], add_generation_prompt=False)
+    assert row.input_ids == tok.apply_chat_template(
+        [U("What is two plus three?"), A("five")], add_generation_prompt=False
+    )
     assert trained_text(tok, row) == ["five<|im_end|>\n"]
     prompt_len = len(tok.apply_chat_template([U("What is two plus three?")], add_generation_prompt=True))
     assert row.labels[:prompt_len] == [IGNORE_INDEX] * prompt_len

@@ -18,7 +18,9 @@ A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
 
 
 def write_lines(path, lines):
-    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines))
+    path.write_bytes(
+        b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+    )
     return path
 
 
@@ -28,15 +30,21 @@ def tokenizer():
 
 
 def test_each_bad_row_class_is_reported_with_file_line_and_skipped(tmp_path, tokenizer, caplog):
-    path = write_lines(tmp_path / "pc.jsonl", [
-        GOOD,                                                         # 1
-        {"prompt": "q"},                                              # 2 missing field
-        {"prompt": "q", "completion": ""},                            # 3 empty completion
-        b'{"prompt": "q", "completion": "\xff"}',                     # 4 bad UTF-8
-        b'{"prompt": "q", "completion": }',                           # 5 invalid JSON
-        {"prompt": "q " * 200, "completion": "a"},                    # 6 over-long (max_length 64)
-        GOOD, GOOD, GOOD, GOOD,                                       # 7-10
-    ])
+    path = write_lines(
+        tmp_path / "pc.jsonl",
+        [
+            GOOD,  # 1
+            {"prompt": "q"},  # 2 missing field
+            {"prompt": "q", "completion": ""},  # 3 empty completion
+            b'{"prompt": "q", "completion": "\xff"}',  # 4 bad UTF-8
+            b'{"prompt": "q", "completion": }',  # 5 invalid JSON
+            {"prompt": "q " * 200, "completion": "a"},  # 6 over-long (max_length 64)
+            GOOD,
+            GOOD,
+            GOOD,
+            GOOD,  # 7-10
+        ],
+    )
     cfg = DataConfig(path=str(path), max_length=64, max_bad_row_fraction=0.5)
     with caplog.at_level(logging.WARNING, logger="posttrain.data"):
         result = build_sft_rows(cfg, tokenizer)
@@ -55,13 +63,16 @@ def test_each_bad_row_class_is_reported_with_file_line_and_skipped(tmp_path, tok
 
 
 def test_conversation_row_classes(tmp_path, tokenizer, caplog):
-    path = write_lines(tmp_path / "chat.jsonl", [
-        {"messages": [U("hi"), A("yo")]},
-        {"messages": [U("hi"), U("again"), A("yo")]},                  # 2 non-alternating roles
-        {"messages": [U("hi"), {"role": "robot", "content": "beep"}]},  # 3 unknown role
-        {"messages": [U("hi"), A("   ")]},                              # 4 empty completion
-        {"messages": [U("hi"), A("yo")]},
-    ])
+    path = write_lines(
+        tmp_path / "chat.jsonl",
+        [
+            {"messages": [U("hi"), A("yo")]},
+            {"messages": [U("hi"), U("again"), A("yo")]},  # 2 non-alternating roles
+            {"messages": [U("hi"), {"role": "robot", "content": "beep"}]},  # 3 unknown role
+            {"messages": [U("hi"), A("   ")]},  # 4 empty completion
+            {"messages": [U("hi"), A("yo")]},
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="posttrain.data"):
         result = build_sft_rows(DataConfig(path=str(path), max_bad_row_fraction=0.9), tokenizer)
     assert len(result.rows) == 2
@@ -74,17 +85,22 @@ def test_conversation_row_classes(tmp_path, tokenizer, caplog):
 
 def test_identical_pairs_are_reported_with_file_line_and_skipped(tmp_path, caplog):
     pair = {"prompt": "q", "chosen": " yes", "rejected": " no"}
-    path = write_lines(tmp_path / "pairs.jsonl", [
-        pair,
-        {"prompt": "q", "chosen": " yes", "rejected": " yes"},                  # 2 identical strings
-        {"prompt": [U("q")], "chosen": [A("yes")], "rejected": [A("yes")]},      # 3 identical messages
-        pair,
-    ])
+    path = write_lines(
+        tmp_path / "pairs.jsonl",
+        [
+            pair,
+            {"prompt": "q", "chosen": " yes", "rejected": " yes"},  # 2 identical strings
+            {"prompt": [U("q")], "chosen": [A("yes")], "rejected": [A("yes")]},  # 3 identical messages
+            pair,
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="posttrain.data"):
         loaded = read_examples(DataConfig(path=str(path), max_bad_row_fraction=0.5))
     assert loaded.format == "preference" and len(loaded.examples) == 2
     assert [(bad.location, bad.reason) for bad in loaded.bad.rows] == [
-        (f"{path}:2", "chosen and rejected are identical"), (f"{path}:3", "chosen and rejected are identical")]
+        (f"{path}:2", "chosen and rejected are identical"),
+        (f"{path}:3", "chosen and rejected are identical"),
+    ]
     assert f"skipping bad row {path}:2: chosen and rejected are identical" in caplog.text
 
 
@@ -101,7 +117,9 @@ def test_truncate_instead_of_skip(tmp_path, tokenizer):
 def test_abort_above_the_bad_row_fraction(tmp_path, tokenizer):
     lines = [GOOD] * 18 + [{"prompt": "q"}] * 2  # 10% bad
     path = write_lines(tmp_path / "d.jsonl", lines)
-    with pytest.raises(DataError, match=r"2 of 20 rows are bad \(10\.0%\), above max_bad_row_fraction=0\.05.*d\.jsonl:19"):
+    with pytest.raises(
+        DataError, match=r"2 of 20 rows are bad \(10\.0%\), above max_bad_row_fraction=0\.05.*d\.jsonl:19"
+    ):
         build_sft_rows(DataConfig(path=str(path)), tokenizer)
     assert len(build_sft_rows(DataConfig(path=str(path), max_bad_row_fraction=0.1), tokenizer).rows) == 18
     all_bad = write_lines(tmp_path / "bad.jsonl", [{"prompt": "q"}])

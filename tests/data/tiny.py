@@ -40,19 +40,38 @@ def tiny_tokenizer() -> Tokenizer:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(CORPUS, trainer)
-    return Tokenizer(backend, chat_template=CHATML_TEMPLATE, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                     pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    return Tokenizer(
+        backend,
+        chat_template=CHATML_TEMPLATE,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
 
 
 def tiny_model_config(vocab_size: int = VOCAB_SIZE) -> ModelConfig:
     return ModelConfig(
-        model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab_size, head_dim=8, max_position_embeddings=512,
-        tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
 
 

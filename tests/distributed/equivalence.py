@@ -22,9 +22,18 @@ from tests.distributed.launch import max_difference
 from tests.numeric import adam_drift, loss_after_updates_tolerance, reorder_close
 
 
-def assert_same_steps(got: list[dict], want: list[dict], *, lr: float, eps: float, compared: Iterable[str] = (),
-                      sampled: Iterable[str] = (), updates_per_step: int = 1, updates_before: int = 0,
-                      max_grad_norm: float = 1.0) -> None:
+def assert_same_steps(
+    got: list[dict],
+    want: list[dict],
+    *,
+    lr: float,
+    eps: float,
+    compared: Iterable[str] = (),
+    sampled: Iterable[str] = (),
+    updates_per_step: int = 1,
+    updates_before: int = 0,
+    max_grad_norm: float = 1.0,
+) -> None:
     """The records of `got` equal those of `want` step for step: "loss" always, `compared` (e.g. grad_norm, kl) where
     no update came before them, `sampled` always. updates_per_step: optimizer steps a record spans (PPO's
     minibatches, whose later losses follow the earlier updates); updates_before: the updates before the first
@@ -40,13 +49,21 @@ def assert_same_steps(got: list[dict], want: list[dict], *, lr: float, eps: floa
             for key in ("loss", *compared):
                 assert reorder_close(mine[key], theirs[key]), (*where, key, mine[key], theirs[key])
         else:
-            bound = loss_after_updates_tolerance(theirs["loss"], theirs["grad_norm"],
-                                                 adam_drift(lr, updates, eps, max_grad_norm))
+            bound = loss_after_updates_tolerance(
+                theirs["loss"], theirs["grad_norm"], adam_drift(lr, updates, eps, max_grad_norm)
+            )
             assert abs(mine["loss"] - theirs["loss"]) <= bound, (*where, "loss", mine["loss"], theirs["loss"], bound)
 
 
-def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, lr: float, eps: float,
-                        updates: int, max_grad_norm: float = 1.0) -> None:
+def assert_same_weights(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    eps: float,
+    updates: int,
+    max_grad_norm: float = 1.0,
+) -> None:
     """Weights (same names) the runs hold after `updates` AdamW updates from the same start: within `adam_drift`."""
     bound = adam_drift(lr, updates, eps, max_grad_norm)
     difference = max_difference(got, want)

@@ -17,15 +17,24 @@ from posttrain.peft.peft_format import ADAPTER_CONFIG
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def torchrun(nproc: int, argv: list[str], timeout: float = 300, module: str = "posttrain"
-             ) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, argv: list[str], timeout: float = 300, module: str = "posttrain"
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node nproc -m module argv` with this worktree's package, one thread
     per process; fails the test with the ranks' output when it exits non-zero or runs past `timeout` seconds
     (ranks out of step wait in a collective forever: torchrun and its ranks are then killed together).
     module: posttrain's CLI, or a test's wrapper of it (tests/distributed/fp32_quant.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *argv,
+    ]
     with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

@@ -21,6 +21,16 @@ def rl_overrides(root: Path, *extra: str) -> list[str]:
     EQUIVALENCE_EPS bounds AdamW's gain on that rounding (tests/numeric.py)."""
     tok = tokenizer()
     model = save_hf_dir(tiny_model(tok), root / "model", tokenizer=tok)
-    return [f"model.name_or_path={model}", f"reward.functions=[{reward_file(root)}:char_mix]",
-            "rollout.prompts_per_step=4", "rollout.max_tokens=6", "rollout.seed_prompts=true", "train.max_steps=2",
-            f"optim.lr={LR}", f"optim.eps={EQUIVALENCE_EPS}", "data.eval_size=0", "log.progress=false", *extra]
+    return [
+        f"model.name_or_path={model}",
+        f"reward.functions=[{reward_file(root)}:char_mix]",
+        "rollout.prompts_per_step=4",
+        "rollout.max_tokens=6",
+        "rollout.seed_prompts=true",
+        "train.max_steps=2",
+        f"optim.lr={LR}",
+        f"optim.eps={EQUIVALENCE_EPS}",
+        "data.eval_size=0",
+        "log.progress=false",
+        *extra,
+    ]

@@ -24,10 +24,25 @@ from tests.trainers.pref_helpers import config, setup_dir
 LR = 1e-2
 # optim.eps: AdamW's gain on the gradients' rounding (tests/numeric.py).
 OPTIM = [f"optim.lr={LR}", f"optim.eps={EQUIVALENCE_EPS}"]
-OFF_POLICY_STEPS = ["train.batch_size=4", "train.grad_accum=2", "train.max_steps=1", *OPTIM, "loss=jsd",
-                    "data.eval_fraction=0"]
-ON_POLICY_STEPS = ["mode=on_policy", "seed_prompts=true", "max_new_tokens=6", "train.batch_size=4",
-                   "train.grad_accum=2", "train.max_steps=2", *OPTIM, "loss=jsd", "data.eval_fraction=0"]
+OFF_POLICY_STEPS = [
+    "train.batch_size=4",
+    "train.grad_accum=2",
+    "train.max_steps=1",
+    *OPTIM,
+    "loss=jsd",
+    "data.eval_fraction=0",
+]
+ON_POLICY_STEPS = [
+    "mode=on_policy",
+    "seed_prompts=true",
+    "max_new_tokens=6",
+    "train.batch_size=4",
+    "train.grad_accum=2",
+    "train.max_steps=2",
+    *OPTIM,
+    "loss=jsd",
+    "data.eval_fraction=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +59,19 @@ def run_one_process(tiny, out: Path, steps: list[str]) -> Path:
 
 def run_two_processes(tiny, out: Path, strategy: str, steps: list[str]) -> Path:
     student, teacher, data = tiny
-    torchrun(2, ["distill", f"model.name_or_path={student}", f"teacher.name_or_path={teacher}", f"data.path={data}",
-                 f"out={out}", "train.progress=false", f"dist.strategy={strategy}", *steps])
+    torchrun(
+        2,
+        [
+            "distill",
+            f"model.name_or_path={student}",
+            f"teacher.name_or_path={teacher}",
+            f"data.path={data}",
+            f"out={out}",
+            "train.progress=false",
+            f"dist.strategy={strategy}",
+            *steps,
+        ],
+    )
     return out
 
 

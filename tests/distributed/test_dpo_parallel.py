@@ -30,8 +30,15 @@ from tests.trainers.test_kto_unpaired import unpaired_rows
 LR = 1e-2
 # A global batch of 4 pairs x 2 accumulation steps; each rank takes 2 pairs of every micro-batch. optim.eps: AdamW's
 # gain on the gradients' rounding, which the split over 2 processes changes (tests/numeric.py).
-BATCH = ["train.batch_size=4", "train.grad_accum=2", f"optim.lr={LR}", f"optim.eps={EQUIVALENCE_EPS}",
-         "optim.warmup_ratio=0", "data.eval_fraction=0", "beta=0.5"]
+BATCH = [
+    "train.batch_size=4",
+    "train.grad_accum=2",
+    f"optim.lr={LR}",
+    f"optim.eps={EQUIVALENCE_EPS}",
+    "optim.warmup_ratio=0",
+    "data.eval_fraction=0",
+    "beta=0.5",
+]
 DPO_STEP = [*BATCH, "train.max_steps=1"]
 KTO_STEPS = [*BATCH, "loss=kto", "train.max_steps=2"]
 # LoRA's B starts at zero: the first step moves B alone, the second A too, by a gradient proportional to B.
@@ -50,8 +57,18 @@ def _one_process(data: tuple[Path, Path], out: Path, args: list[str]) -> Path:
 
 def _two_processes(data: tuple[Path, Path], out: Path, strategy: str, args: list[str]) -> Path:
     model, pairs = data
-    torchrun(2, ["dpo", f"model.name_or_path={model}", f"data.path={pairs}", f"out={out}", "train.progress=false",
-                 f"dist.strategy={strategy}", *args])
+    torchrun(
+        2,
+        [
+            "dpo",
+            f"model.name_or_path={model}",
+            f"data.path={pairs}",
+            f"out={out}",
+            "train.progress=false",
+            f"dist.strategy={strategy}",
+            *args,
+        ],
+    )
     return out
 
 

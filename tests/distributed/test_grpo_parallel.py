@@ -31,8 +31,9 @@ SAMPLED = ("num_samples", "reward/mean", "response_len/mean")
 def overrides(tmp_path_factory) -> list[str]:
     """4 prompts x 4 samples a step, micro-batches of one group (each rank accumulates 2 of them), a KL term
     against a frozen reference copy (the rest: tests/distributed/rl_setup.py)."""
-    return rl_overrides(tmp_path_factory.mktemp("grpo-dist"), "rollout.samples_per_prompt=4",
-                        "train.micro_batch_size=4", "kl.beta=0.1")
+    return rl_overrides(
+        tmp_path_factory.mktemp("grpo-dist"), "rollout.samples_per_prompt=4", "train.micro_batch_size=4", "kl.beta=0.1"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,15 @@ def test_two_processes_take_the_grpo_steps_of_one(strategy, overrides, one_proce
     assert_same_weights(final_weights(out), reference, lr=LR, eps=EQUIVALENCE_EPS, updates=2)
     if strategy == "fsdp2":
         # The 2-rank sharded checkpoint, resumed by one plain process: step 2 samples and updates as before.
-        resumed = train_grpo(load_config(GRPOConfig, None, [*overrides, f"out={tmp_path / 'resumed'}",
-                                                            f"resume={out / 'checkpoints' / 'step-1'}"]))
+        resumed = train_grpo(
+            load_config(
+                GRPOConfig,
+                None,
+                [*overrides, f"out={tmp_path / 'resumed'}", f"resume={out / 'checkpoints' / 'step-1'}"],
+            )
+        )
         # From the same weights and moments: step 2 as one fresh step of the 2 ranks.
-        assert_same_steps(read_metrics(resumed), got[1:], lr=LR, eps=EQUIVALENCE_EPS, compared=["grad_norm"],
-                          sampled=SAMPLED)
+        assert_same_steps(
+            read_metrics(resumed), got[1:], lr=LR, eps=EQUIVALENCE_EPS, compared=["grad_norm"], sampled=SAMPLED
+        )
         assert_same_weights(final_weights(resumed), final_weights(out), lr=LR, eps=EQUIVALENCE_EPS, updates=1)

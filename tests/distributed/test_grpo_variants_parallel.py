@@ -27,8 +27,9 @@ SAMPLED = ("num_samples", "reward/mean", "response_len/mean")  # of the same com
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
     """4 prompts x 4 samples a step, micro-batches of one group (the rest: tests/distributed/rl_setup.py)."""
-    return rl_overrides(tmp_path_factory.mktemp("grpo-variants"), "rollout.samples_per_prompt=4",
-                        "train.micro_batch_size=4")
+    return rl_overrides(
+        tmp_path_factory.mktemp("grpo-variants"), "rollout.samples_per_prompt=4", "train.micro_batch_size=4"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,12 @@ def dapo_one(base, tmp_path_factory) -> tuple[list[str], Path]:
     """DAPO with dynamic sampling and a reward that is 0 for every sample of an odd-answer prompt: those
     groups have no variance, are dropped, and the batch is refilled from further prompts."""
     root = tmp_path_factory.mktemp("dapo-one")
-    extra = ["algorithm=dapo", f"reward.functions=[{reward_file(root)}:parity_gated]", "dapo.max_refill_rounds=3",
-             "dapo.overlong_cache_len=2"]
+    extra = [
+        "algorithm=dapo",
+        f"reward.functions=[{reward_file(root)}:parity_gated]",
+        "dapo.max_refill_rounds=3",
+        "dapo.overlong_cache_len=2",
+    ]
     args = [*(o for o in base if not o.startswith("reward.functions=")), *extra]
     return args, train_grpo(load_config(GRPOConfig, None, [*args, f"out={root / 'run'}"]))
 

@@ -57,8 +57,9 @@ def test_batch_wide_methods_refuse_data_parallelism_by_name():
     from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.rl.config import GRPOConfig
 
-    load_config(DistillConfig, overrides=["data.path=x.jsonl", "teacher.name_or_path=t", "mode=on_policy",
-                                          "dist.strategy=ddp"])  # each rank samples its share of the prompts
+    load_config(
+        DistillConfig, overrides=["data.path=x.jsonl", "teacher.name_or_path=t", "mode=on_policy", "dist.strategy=ddp"]
+    )  # each rank samples its share of the prompts
     load_config(DPOConfig, overrides=["data.path=x.jsonl", "loss=kto", "dist.strategy=fsdp2"])  # paired KTO runs
     load_config(GRPOConfig, overrides=["algorithm=dapo", "dist.strategy=ddp"])  # refills decided over all ranks
     from posttrain.trainers.rl.config import PPOConfig
@@ -98,8 +99,16 @@ def test_activation_checkpointing_keeps_the_gradients():
 def test_nproc_is_dropped_from_the_relaunched_command():
     assert without_nproc(["sft", "--nproc", "2", "cfg.yaml", "--nproc=3", "x=1"]) == ["sft", "cfg.yaml", "x=1"]
     command = torchrun_command(2, ["sft", "--nproc", "2", "cfg.yaml"])
-    assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "posttrain",
-                           "sft", "cfg.yaml"]
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "posttrain",
+        "sft",
+        "cfg.yaml",
+    ]
 
 
 def test_nproc_is_found_among_the_overrides_too():
@@ -121,5 +130,7 @@ def test_per_layer_rollout_weights_need_fsdp2_and_no_cuda_graphs():
     with pytest.raises(ConfigError, match="dist.rollout_weights: must be one of 'whole', 'per_layer'"):
         load_config(SFTConfig, overrides=["data.path=x.jsonl", "dist.strategy=fsdp2", "dist.rollout_weights=layers"])
     with pytest.raises(ConfigError, match=r"dist.rollout_weights=per_layer .* set rollout.engine.cuda_graphs=false"):
-        load_config(GRPOConfig, overrides=["dist.strategy=fsdp2", "dist.rollout_weights=per_layer",
-                                           "rollout.engine.cuda_graphs=true"])
+        load_config(
+            GRPOConfig,
+            overrides=["dist.strategy=fsdp2", "dist.rollout_weights=per_layer", "rollout.engine.cuda_graphs=true"],
+        )

@@ -29,8 +29,13 @@ def overrides(tmp_path_factory) -> list[str]:
     optimizer steps per rollout; the rest: tests/distributed/rl_setup.py). The value head at the policy's rate,
     not its default 100x: at lr 1 AdamW's gain of 2 lr / eps on the head's rounding (tests/numeric.py) moves the
     next rollout's values, and with them the advantages of the whole update."""
-    return rl_overrides(tmp_path_factory.mktemp("ppo-dist"), "rollout.samples_per_prompt=2", "train.epochs=1",
-                        "train.minibatch_size=4", f"ppo.value_lr={LR}")
+    return rl_overrides(
+        tmp_path_factory.mktemp("ppo-dist"),
+        "rollout.samples_per_prompt=2",
+        "train.epochs=1",
+        "train.minibatch_size=4",
+        f"ppo.value_lr={LR}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +60,12 @@ def test_two_processes_take_the_ppo_steps_of_one(strategy, overrides, ppo_one, t
 def test_two_ddp_processes_drop_and_refill_ppo_groups_as_one(overrides, tmp_path):
     """DAPO's dynamic sampling inside PPO: the ranks take the refill decisions on every rank's groups (the code
     GRPO uses), so the kept groups, the GAE advantages and the updates are the single process's."""
-    args = [*overrides, f"reward.functions=[{reward_file(tmp_path)}:parity_gated]", "dapo.dynamic_sampling=true",
-            "dapo.max_refill_rounds=2"]
+    args = [
+        *overrides,
+        f"reward.functions=[{reward_file(tmp_path)}:parity_gated]",
+        "dapo.dynamic_sampling=true",
+        "dapo.max_refill_rounds=2",
+    ]
     one = train_ppo(load_config(PPOConfig, None, [*args, f"out={tmp_path / 'one'}"]))
     two = tmp_path / "two"
     torchrun(2, ["ppo", *args, f"out={two}", "dist.strategy=ddp"])
@@ -66,5 +75,6 @@ def test_two_ddp_processes_drop_and_refill_ppo_groups_as_one(overrides, tmp_path
         for key in ("dapo/dropped_groups", "dapo/refill_rounds", "dapo/kept_groups", "num_samples"):
             assert mine[key] == theirs[key], (mine["step"], key)
     assert_same_steps(got, want, lr=LR, eps=EQUIVALENCE_EPS, sampled=SAMPLED, updates_per_step=UPDATES_PER_STEP)
-    assert_same_weights(final_weights(two), final_weights(one), lr=LR, eps=EQUIVALENCE_EPS,
-                        updates=2 * UPDATES_PER_STEP)
+    assert_same_weights(
+        final_weights(two), final_weights(one), lr=LR, eps=EQUIVALENCE_EPS, updates=2 * UPDATES_PER_STEP
+    )

@@ -29,8 +29,18 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 def _two_processes(data: tuple[Path, Path], out: Path, strategy: str, *args: str) -> Path:
     model, pairs = data
-    torchrun(2, ["rm", f"model.name_or_path={model}", f"data.path={pairs}", f"out={out}", "train.progress=false",
-                 f"dist.strategy={strategy}", *args])
+    torchrun(
+        2,
+        [
+            "rm",
+            f"model.name_or_path={model}",
+            f"data.path={pairs}",
+            f"out={out}",
+            "train.progress=false",
+            f"dist.strategy={strategy}",
+            *args,
+        ],
+    )
     return out
 
 
@@ -54,8 +64,14 @@ def test_two_fsdp2_processes_resume_the_reward_model_on_one(data, tmp_path):
     """3 steps on 2 FSDP2 ranks with a checkpoint at step 2 (trunk, head and both's AdamW moments in shards/);
     1 plain process resumed from it takes step 3 as the 2 ranks did."""
     model, pairs = data
-    steps = ["train.batch_size=4", "train.grad_accum=1", "train.max_steps=3", "train.save_every=2", *OPTIM,
-             "data.eval_fraction=0"]
+    steps = [
+        "train.batch_size=4",
+        "train.grad_accum=1",
+        "train.max_steps=3",
+        "train.save_every=2",
+        *OPTIM,
+        "data.eval_fraction=0",
+    ]
     two = _two_processes(data, tmp_path / "two", "fsdp2", *steps)
     checkpoint = two / "checkpoints" / "step-2"
     assert (checkpoint / "shards" / ".metadata").is_file() and not (checkpoint / "modules.safetensors").exists()

@@ -21,8 +21,12 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def overrides(tmp_path_factory) -> list[str]:
     """4 prompts x 2 unseeded samples a step, a checkpoint after each of the 2 steps (rl_setup.py for the rest)."""
-    return rl_overrides(tmp_path_factory.mktemp("rng-dist"), "rollout.samples_per_prompt=2", "rollout.seed_prompts=false",
-                        "train.save_every=1")
+    return rl_overrides(
+        tmp_path_factory.mktemp("rng-dist"),
+        "rollout.samples_per_prompt=2",
+        "rollout.seed_prompts=false",
+        "train.save_every=1",
+    )
 
 
 def test_two_processes_resume_their_own_random_streams(overrides, tmp_path, caplog):

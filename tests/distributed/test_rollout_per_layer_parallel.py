@@ -39,9 +39,16 @@ def uneven_prompts(path: Path, rows: int = 8) -> Path:
 @pytest.fixture(scope="module")
 def overrides(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("per-layer")
-    return rl_overrides(root, "rollout.samples_per_prompt=4", "train.micro_batch_size=4", "kl.beta=0.1",
-                        "data.task=null", f"data.path={uneven_prompts(root / 'prompts.jsonl')}",
-                        "rollout.engine.max_num_seqs=8", "rollout.engine.max_num_batched_tokens=8")
+    return rl_overrides(
+        root,
+        "rollout.samples_per_prompt=4",
+        "train.micro_batch_size=4",
+        "kl.beta=0.1",
+        "data.task=null",
+        f"data.path={uneven_prompts(root / 'prompts.jsonl')}",
+        "rollout.engine.max_num_seqs=8",
+        "rollout.engine.max_num_batched_tokens=8",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +65,9 @@ def whole(overrides, tmp_path_factory) -> Path:
 
 def test_per_layer_gathers_sample_and_update_as_whole_weights(overrides, one_process, whole, tmp_path):
     out = tmp_path / "run"
-    torchrun(2, ["grpo", *overrides, f"out={out}", "dist.strategy=fsdp2", "dist.rollout_weights=per_layer"],
-             timeout=240)
+    torchrun(
+        2, ["grpo", *overrides, f"out={out}", "dist.strategy=fsdp2", "dist.rollout_weights=per_layer"], timeout=240
+    )
     got, want, single = read_metrics(out), read_metrics(whole), read_metrics(one_process)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [r["step"] for r in single] == [1, 2]
     # The ranks did take different numbers of engine steps: the lockstep had idle forwards to run.

@@ -31,8 +31,13 @@ from tests.numeric import EQUIVALENCE_EPS, adam_drift
 LR = 1e-2
 LORA = ["lora.r=4", "lora.alpha=8"]
 # optim.eps: AdamW's gain on the rounding 2 processes change (tests/numeric.py).
-STEPS = ["train.batch_size=4", "train.grad_accum=2", f"optim.lr={LR}", f"optim.eps={EQUIVALENCE_EPS}",
-         "train.progress=false"]
+STEPS = [
+    "train.batch_size=4",
+    "train.grad_accum=2",
+    f"optim.lr={LR}",
+    f"optim.eps={EQUIVALENCE_EPS}",
+    "train.progress=false",
+]
 # variant -> (overrides, steps). LoRA: two steps, B starts at zero, so the first moves B alone and the second A too.
 VARIANTS = {"lora": (LORA, 2), "qlora": ([*LORA, "quant=int8"], 2), "qat": (["qat=int8"], 1)}
 
@@ -41,14 +46,22 @@ VARIANTS = {"lora": (LORA, 2), "qlora": ([*LORA, "quant=int8"], 2), "qat": (["qa
 def setup(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("sft-adapters-dist")
     model, data = save_tiny_model_dir(root / "model"), write_qa_jsonl(root / "qa.jsonl")
-    return [f"model.name_or_path={model}", f"data.path={data}", "data.columns.prompt=question",
-            "data.columns.completion=answer", "data.as_chat=true", *STEPS]
+    return [
+        f"model.name_or_path={model}",
+        f"data.path={data}",
+        "data.columns.prompt=question",
+        "data.columns.completion=answer",
+        "data.as_chat=true",
+        *STEPS,
+    ]
 
 
 def _final_tensors(run: Path) -> dict:
     """What final/ holds of the trained model: the adapter's tensors, or the (quantized) weights."""
     final = run / "final"
-    return load_file(str(final / ADAPTER_WEIGHTS if (final / ADAPTER_WEIGHTS).exists() else final / "model.safetensors"))
+    return load_file(
+        str(final / ADAPTER_WEIGHTS if (final / ADAPTER_WEIGHTS).exists() else final / "model.safetensors")
+    )
 
 
 def _train_one(args: list[str]) -> Path:

@@ -48,8 +48,14 @@ def one_process(config_file, tmp_path_factory) -> Path:
 def _nproc_shortcut(argv: list[str]) -> None:
     """`python -m posttrain sft CONFIG ... --nproc 2`: the shortcut that relaunches itself under torchrun."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "posttrain", "sft", *argv, "--nproc", "2"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "posttrain", "sft", *argv, "--nproc", "2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-6000:]
 
 
@@ -91,12 +97,18 @@ def test_two_process_run_resumes_on_one_process(strategy, config_file, tmp_path)
     expected = read_metrics(two)
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
 
-    resumed = [train_sft(load_config(SFTConfig, config_file,
-                                     overrides=[f"out={tmp_path / 'plain-one'}", f"resume={checkpoint}", *steps]))]
+    resumed = [
+        train_sft(
+            load_config(
+                SFTConfig, config_file, overrides=[f"out={tmp_path / 'plain-one'}", f"resume={checkpoint}", *steps]
+            )
+        )
+    ]
     if strategy == "fsdp2":
         resumed.append(tmp_path / "fsdp2-one")
-        torchrun(1, ["sft", str(config_file), f"out={resumed[-1]}", "dist.strategy=fsdp2", f"resume={checkpoint}",
-                     *steps])
+        torchrun(
+            1, ["sft", str(config_file), f"out={resumed[-1]}", "dist.strategy=fsdp2", f"resume={checkpoint}", *steps]
+        )
     for run in resumed:
         # From the same weights and moments: steps 3 and 4 as two fresh steps of the 2 ranks.
         assert_same_steps(read_metrics(run), expected[2:], lr=LR, eps=EQUIVALENCE_EPS, compared=["grad_norm"])

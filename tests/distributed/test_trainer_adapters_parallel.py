@@ -12,7 +12,6 @@ takes step 2 as the 2 ranks did and writes the same final files."""
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 
@@ -30,8 +29,15 @@ LORA = ["lora.r=4", "lora.alpha=8"]
 QLORA = [*LORA, "quant=int8"]
 # Reward models and distillation: 4 pairs (rows) a step in 2 micro-batches, 2 steps, AdamW as the RL tests have it
 # (tests/distributed/rl_setup.py; eps: tests/numeric.py).
-PAIR_STEPS = ["train.batch_size=4", "train.grad_accum=2", "train.max_steps=2", f"optim.lr={LR}",
-              f"optim.eps={EQUIVALENCE_EPS}", "data.eval_fraction=0", "train.progress=false"]
+PAIR_STEPS = [
+    "train.batch_size=4",
+    "train.grad_accum=2",
+    "train.max_steps=2",
+    f"optim.lr={LR}",
+    f"optim.eps={EQUIVALENCE_EPS}",
+    "data.eval_fraction=0",
+    "train.progress=false",
+]
 GRPO = ["rollout.samples_per_prompt=4", "train.micro_batch_size=4", "kl.beta=0.1"]  # kl: the adapters-off base
 # 8 samples a step in 2 minibatches: 2 updates a step. The value head at the policy's rate, not its default 100x:
 # at lr 1 AdamW's gain of 2 lr / eps on the head's rounding moves the next rollout's values, and with them the
@@ -63,8 +69,11 @@ def setups(tmp_path_factory) -> dict[str, list[str]]:
     teacher = save_tiny_model_dir(root / "teacher", seed=1)
     (root / "rl").mkdir()
     on_pairs = [f"model.name_or_path={model}", f"data.path={pairs}", *PAIR_STEPS]
-    return {"rl": rl_overrides(root / "rl"), "pairs": on_pairs,
-            "distill": [*on_pairs, f"teacher.name_or_path={teacher}"]}
+    return {
+        "rl": rl_overrides(root / "rl"),
+        "pairs": on_pairs,
+        "distill": [*on_pairs, f"teacher.name_or_path={teacher}"],
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -77,13 +86,25 @@ def test_two_fsdp2_processes_train_the_adapters_of_one(case, setups, tmp_path):
     module = fp32_quant.__name__ if quantized else "posttrain"
     with in_fp32():
         one_process([*args, f"out={tmp_path / 'one'}"])
-    torchrun(2, [*args, f"out={tmp_path / 'two'}", "dist.strategy=fsdp2", f"dist.rollout_weights={rollout_weights}",
-                 "train.save_every=1"], module=module)
+    torchrun(
+        2,
+        [
+            *args,
+            f"out={tmp_path / 'two'}",
+            "dist.strategy=fsdp2",
+            f"dist.rollout_weights={rollout_weights}",
+            "train.save_every=1",
+        ],
+        module=module,
+    )
     got, want = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     updates = UPDATES_PER_STEP.get(command, 1)
-    metrics = {"compared": ["grad_norm", *(k for k in compared if k not in SAMPLED)],
-               "sampled": [k for k in compared if k in SAMPLED], "updates_per_step": updates}
+    metrics = {
+        "compared": ["grad_norm", *(k for k in compared if k not in SAMPLED)],
+        "sampled": [k for k in compared if k in SAMPLED],
+        "updates_per_step": updates,
+    }
     assert_same_steps(got, want, lr=LR, eps=EQUIVALENCE_EPS, **metrics)
     mine, theirs = final_files(tmp_path / "two"), final_files(tmp_path / "one")
     assert sorted(mine) == sorted(theirs) and ADAPTER_WEIGHTS in theirs  # + score / value head

@@ -20,8 +20,16 @@ from posttrain.models.paged_attention import paged_attention, reference_paged_at
 needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here")
 
 
-def _decode_step(rng: random.Random, bs: int, hkv: int, heads_per_kv: int, D: int, groups: list[tuple[int, int]],
-                 num_blocks: int = 400, scale: float = 1.0):
+def _decode_step(
+    rng: random.Random,
+    bs: int,
+    hkv: int,
+    heads_per_kv: int,
+    D: int,
+    groups: list[tuple[int, int]],
+    num_blocks: int = 400,
+    scale: float = 1.0,
+):
     """A pure decode step: groups of (members, shared prompt tokens) in batch order; each member has
     1-40 tokens of its own after the shared prompt. Blocks are scattered over the pool."""
     free = list(range(1, num_blocks))
@@ -38,15 +46,22 @@ def _decode_step(rng: random.Random, bs: int, hkv: int, heads_per_kv: int, D: in
     S, H = len(tables), hkv * heads_per_kv
     slots = torch.tensor([t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, ctx)])
     cache = torch.randn(2, num_blocks, bs, hkv, D) * scale
-    meta = PagedAttentionMetadata([cache], slots, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                                  torch.tensor(ctx), torch.ones(S, dtype=torch.long), 1)
+    meta = PagedAttentionMetadata(
+        [cache],
+        slots,
+        torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        torch.tensor(ctx),
+        torch.ones(S, dtype=torch.long),
+        1,
+    )
     q, k, v = torch.randn(S, H, D) * scale, torch.randn(S, hkv, D) * scale, torch.randn(S, hkv, D)
     return q, k, v, meta
 
 
 def _with_cache(meta: PagedAttentionMetadata, cache: torch.Tensor) -> PagedAttentionMetadata:
-    return PagedAttentionMetadata([cache], meta.slot_mapping, meta.block_tables, meta.context_lens, meta.query_lens,
-                                  meta.max_query_len)
+    return PagedAttentionMetadata(
+        [cache], meta.slot_mapping, meta.block_tables, meta.context_lens, meta.query_lens, meta.max_query_len
+    )
 
 
 @needs_kernels
@@ -80,13 +95,16 @@ def test_decode_kernel_is_exact_on_peaked_and_flat_scores(kernel_march: str) -> 
         q, k, v, meta = _decode_step(random.Random(seed), 16, 3, 3, 64, [(4, 40), (1, 0)], scale=scale)
         reference_cache = meta.kv_caches[0].clone()
         out = paged_attention(q, k, v, meta, 0)
-        fp64 = reference_paged_attention(q.double(), k.double(), v.double(),
-                                         _with_cache(meta, reference_cache.double()), 0)
+        fp64 = reference_paged_attention(
+            q.double(), k.double(), v.double(), _with_cache(meta, reference_cache.double()), 0
+        )
         torch.testing.assert_close(out.double(), fp64, atol=atol, rtol=0)
 
 
 @needs_kernels
-def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(monkeypatch: pytest.MonkeyPatch, kernel_march: str) -> None:
+def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(
+    monkeypatch: pytest.MonkeyPatch, kernel_march: str
+) -> None:
     """Decode rows between prefill rows: the native and the PyTorch fast paths give the same outputs and
     the same cache."""
     from tests.engine.test_paged_attention import _layout
@@ -103,9 +121,14 @@ def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(monkeypatch: pytest
     for native in (True, False):
         if not native:
             monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
-        meta = PagedAttentionMetadata([cache.clone()], torch.tensor(slots),
-                                      torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                                      torch.tensor(ctx), torch.tensor(qlens), max(qlens))
+        meta = PagedAttentionMetadata(
+            [cache.clone()],
+            torch.tensor(slots),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            torch.tensor(ctx),
+            torch.tensor(qlens),
+            max(qlens),
+        )
         results.append((paged_attention(q, k, v, meta, 0), meta.kv_caches[0]))
     torch.testing.assert_close(results[0][0], results[1][0], atol=2e-6, rtol=1e-5)
     assert torch.equal(results[0][1], results[1][1])
@@ -148,8 +171,9 @@ def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, fresh_librar
     assert not (fresh_library / "kernels").exists()  # nothing was built
 
 
-def test_failed_build_falls_back_with_the_compilers_message(monkeypatch: pytest.MonkeyPatch, fresh_library,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_failed_build_falls_back_with_the_compilers_message(
+    monkeypatch: pytest.MonkeyPatch, fresh_library, caplog: pytest.LogCaptureFixture
+) -> None:
     script = fresh_library / "broken-cc"
     script.write_text("#!/bin/sh\necho 'cc: error: no such flag -march=native' >&2\nexit 1\n")
     script.chmod(0o755)
@@ -161,8 +185,9 @@ def test_failed_build_falls_back_with_the_compilers_message(monkeypatch: pytest.
     # The attention still runs, in PyTorch.
     q, k, v, meta = _decode_step(random.Random(0), 4, 2, 3, 8, [(3, 9), (1, 0)])
     reference_cache = meta.kv_caches[0].clone()
-    torch.testing.assert_close(paged_attention(q, k, v, meta, 0),
-                               reference_paged_attention(q, k, v, _with_cache(meta, reference_cache), 0))
+    torch.testing.assert_close(
+        paged_attention(q, k, v, meta, 0), reference_paged_attention(q, k, v, _with_cache(meta, reference_cache), 0)
+    )
 
 
 @needs_kernels
@@ -183,13 +208,18 @@ def _openmp_compiler(workdir: Path) -> str | None:
         return None
     probe = workdir / "probe.c"
     probe.write_text("#include <omp.h>\nint probe(void) { return omp_get_max_threads(); }\n")
-    done = subprocess.run([compiler, "-fopenmp", "-shared", "-fPIC", str(probe), "-o", str(workdir / "probe.so")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [compiler, "-fopenmp", "-shared", "-fPIC", str(probe), "-o", str(workdir / "probe.so")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return compiler if done.returncode == 0 else None
 
 
-def test_the_kernels_build_wherever_a_c_compiler_with_openmp_is_present(monkeypatch: pytest.MonkeyPatch,
-                                                                        fresh_library) -> None:
+def test_the_kernels_build_wherever_a_c_compiler_with_openmp_is_present(
+    monkeypatch: pytest.MonkeyPatch, fresh_library
+) -> None:
     """The kernel tests skip when library() is None, so a kernel source that stops compiling would turn
     them into silent skips. Where the compiler builds a trivial OpenMP library, the kernels must build
     (a failure raises KernelBuildError with the compiler's message) and export every function."""
@@ -216,8 +246,9 @@ def test_each_target_gets_its_own_build(monkeypatch: pytest.MonkeyPatch, fresh_l
     assert len(list((fresh_library / "kernels").glob("*.so"))) == 2  # one per -march, neither loaded for the other
 
 
-def test_a_target_this_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch, fresh_library,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_a_target_this_cpu_lacks_is_refused(
+    monkeypatch: pytest.MonkeyPatch, fresh_library, caplog: pytest.LogCaptureFixture
+) -> None:
     """Code for an instruction set the CPU lacks would die of SIGILL on its first call: not built, not loaded."""
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     avx2_only = " ".join(sorted(cpu_kernels.X86_LEVELS["x86-64-v3"]))

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from posttrain.engine import sampler
-from posttrain.engine.sampler import SamplingRow, sample, sample_from_weights
+from posttrain.engine.sampler import SamplingRow, sample
 from posttrain.engine.sampling_params import SamplingParams
 from posttrain.models import cpu_kernels
 from tests.numeric import serial_sum_rtol
 
 # Every test against the kernels built for each instruction set (tests/engine/conftest.py).
-pytestmark = [pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here"),
-              pytest.mark.usefixtures("kernel_march")]
+pytestmark = [
+    pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here"),
+    pytest.mark.usefixtures("kernel_march"),
+]
 
 BLOCK = sampler._SUM_BLOCK
 
@@ -86,8 +88,12 @@ def test_sample_takes_it_only_for_unfiltered_draws(monkeypatch: pytest.MonkeyPat
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     sample(logits, _rows(SamplingParams(temperature=0.7, logprobs=2), 3, 0))
     assert len(calls) == 1
-    for params in (SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(min_p=0.1),
-                   SamplingParams(temperature=0)):
+    for params in (
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.1),
+        SamplingParams(temperature=0),
+    ):
         sample(logits, _rows(params, 3, 0))
     assert len(calls) == 1  # filters and greedy rows take the PyTorch path
 

@@ -11,6 +11,7 @@ from posttrain.errors import PosttrainError
 from posttrain.models.transformer import Transformer
 from tests.engine.tiny import EOS, CharTokenizer, make_llm, tiny_model
 
+
 def dense_greedy(model: Transformer, prompt: list[int], max_tokens: int, eos: int | None = EOS) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
@@ -19,7 +20,7 @@ def dense_greedy(model: Transformer, prompt: list[int], max_tokens: int, eos: in
             ids.append(token)
             if token == eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def dense_logprobs(model: Transformer, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
@@ -74,8 +75,10 @@ def test_prefix_cache_reuses_full_blocks_across_requests() -> None:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_gives_the_same_outputs(prefix_caching: bool) -> None:
     model = tiny_model()
-    requests = [(p, SamplingParams(n=3, temperature=0.9, max_tokens=14, seed=i, ignore_eos=True, logprobs=True))
-                for i, p in enumerate(PROMPTS)]
+    requests = [
+        (p, SamplingParams(n=3, temperature=0.9, max_tokens=14, seed=i, ignore_eos=True, logprobs=True))
+        for i, p in enumerate(PROMPTS)
+    ]
     requests += [(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for p in PROMPTS]
     prompts, params = [p for p, _ in requests], [sp for _, sp in requests]
     roomy = make_llm(model, enable_prefix_caching=prefix_caching)
@@ -105,8 +108,11 @@ def test_a_request_that_can_never_fit_is_refused() -> None:
 
 
 def test_engine_api_abort_frees_blocks() -> None:
-    engine = LLMEngine(tiny_model(), CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8,
-                                                                   max_num_batched_tokens=32))
+    engine = LLMEngine(
+        tiny_model(),
+        CharTokenizer(),
+        EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32),
+    )
     params = SamplingParams(n=2, max_tokens=50, ignore_eos=True, temperature=1.0)
     engine.add_request("a", list(range(1, 12)), params)
     engine.add_request("b", list(range(20, 29)), SamplingParams(max_tokens=3, temperature=0))
@@ -123,8 +129,11 @@ def test_engine_api_abort_frees_blocks() -> None:
 
 
 def test_streaming_outputs_through_step() -> None:
-    engine = LLMEngine(tiny_model(), CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8,
-                                                                   max_num_batched_tokens=32))
+    engine = LLMEngine(
+        tiny_model(),
+        CharTokenizer(),
+        EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32),
+    )
     engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), stream=True)
     seen = []
     while engine.has_unfinished_requests():
@@ -163,8 +172,10 @@ def test_stop_strings_and_stream_never_leak() -> None:
     deltas = list(llm.stream(prompt, params))
     assert "".join(d.text for d in deltas) == text[:cut]
     assert deltas[-1].finish_reason == "stop" and not any(stop in d.text for d in deltas)
-    inclusive = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True,
-                                                      include_stop_str_in_output=True))[0].outputs[0]
+    inclusive = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True, include_stop_str_in_output=True),
+    )[0].outputs[0]
     assert inclusive.text == text[: cut + len(stop)]
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
@@ -203,7 +214,9 @@ def test_weights_updated_sees_in_place_changes_and_bumps_version() -> None:
 
 def test_weights_updated_mid_request_recomputes_running_sequences() -> None:
     model = tiny_model()
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32))
+    engine = LLMEngine(
+        model, None, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
+    )
     prompt = list(range(1, 10))
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for _ in range(3):
@@ -248,18 +261,38 @@ def test_config_errors_name_the_field() -> None:
 # ---- the embedded default model against transformers ----------------------------------------------------
 
 CHATS = [
-    "What is 17 times 23?", "Write a haiku about autumn leaves.", "Explain photosynthesis in one sentence.",
-    "List three prime numbers greater than 50.", "Translate 'good morning' into French.", "What is the capital of Japan?",
-    "Give me a synonym for 'happy'.", "How many legs does a spider have?", "Write a Python function that reverses a string.",
-    "Summarize the plot of Romeo and Juliet.", "What causes rain?", "Name a famous painting by Leonardo da Vinci.",
-    "Why is the sky blue?", "Tell me a short joke about computers.", "What is the boiling point of water in Fahrenheit?",
-    "Describe a cat in five words.", "What is 2 to the power of 10?", "Who wrote 'Pride and Prejudice'?",
-    "Suggest a name for a pet goldfish.", "What is the difference between weather and climate?",
-    "Convert 5 kilometers to miles.", "What does CPU stand for?", "Give one tip for better sleep.",
-    "Write the first line of a mystery novel.", "Natalia sold clips to 48 of her friends in April, and then she sold "
+    "What is 17 times 23?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into French.",
+    "What is the capital of Japan?",
+    "Give me a synonym for 'happy'.",
+    "How many legs does a spider have?",
+    "Write a Python function that reverses a string.",
+    "Summarize the plot of Romeo and Juliet.",
+    "What causes rain?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Why is the sky blue?",
+    "Tell me a short joke about computers.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Describe a cat in five words.",
+    "What is 2 to the power of 10?",
+    "Who wrote 'Pride and Prejudice'?",
+    "Suggest a name for a pet goldfish.",
+    "What is the difference between weather and climate?",
+    "Convert 5 kilometers to miles.",
+    "What does CPU stand for?",
+    "Give one tip for better sleep.",
+    "Write the first line of a mystery novel.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold "
     "half as many clips in May. How many clips did Natalia sell altogether in April and May?",
-    "What is the square root of 144?", "Name the largest planet in our solar system.", "How do bees make honey?",
-    "What is a noun?", "Recommend a book for a long flight.", "What year did humans first land on the Moon?",
+    "What is the square root of 144?",
+    "Name the largest planet in our solar system.",
+    "How do bees make honey?",
+    "What is a noun?",
+    "Recommend a book for a long flight.",
+    "What year did humans first land on the Moon?",
     "Say hello in three languages.",
 ]
 
@@ -269,7 +302,10 @@ def _chat(i: int, question: str) -> list[dict]:
     if i % 4 == 1:
         messages.insert(0, {"role": "system", "content": "You are a terse assistant. Answer in few words."})
     if i % 8 == 3:
-        messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"}] + messages
+        messages = [
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+        ] + messages
     return messages
 
 
@@ -302,15 +338,28 @@ def test_default_model_greedy_matches_transformers(default_engine: LLM) -> None:
 
     llm = default_engine
     tokenizer = llm.tokenizer
-    prompts = [tokenizer.apply_chat_template(_chat(i, q), add_generation_prompt=True, tokenize=True) for i, q in enumerate(CHATS)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m"), dtype=torch.float32).eval()
+    prompts = [
+        tokenizer.apply_chat_template(_chat(i, q), add_generation_prompt=True, tokenize=True)
+        for i, q in enumerate(CHATS)
+    ]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("smollm2-135m"), dtype=torch.float32
+    ).eval()
     expected = []
     with torch.inference_mode():
         for p in prompts:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
-                              max_new_tokens=64, eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
-                              top_k=None, top_p=None, temperature=None)
-            expected.append(out[0, len(p):].tolist())
+            out = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=64,
+                eos_token_id=sorted(tokenizer.eos_token_ids),
+                pad_token_id=tokenizer.pad_token_id,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+            )
+            expected.append(out[0, len(p) :].tolist())
     params = SamplingParams(temperature=0, max_tokens=64)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     one_by_one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
@@ -328,8 +377,10 @@ def test_default_model_greedy_matches_transformers(default_engine: LLM) -> None:
 @pytest.mark.slow
 def test_default_model_logprobs_match_trainer_forward(default_engine: LLM) -> None:
     llm = default_engine
-    prompts = [llm.tokenizer.apply_chat_template(_chat(i, q), add_generation_prompt=True, tokenize=True)
-               for i, q in enumerate(CHATS[:4])]
+    prompts = [
+        llm.tokenizer.apply_chat_template(_chat(i, q), add_generation_prompt=True, tokenize=True)
+        for i, q in enumerate(CHATS[:4])
+    ]
     outs = llm.generate(prompts, SamplingParams(n=4, temperature=0.8, max_tokens=24, logprobs=True, seed=3))
     for prompt, out in zip(prompts, outs):
         for sample in out.outputs:

@@ -13,7 +13,7 @@ from posttrain.engine import SamplingParams
 from posttrain.models import cpu_kernels
 from posttrain.models.config import ModelConfig
 from posttrain.models.cpu_kernels import fused
-from posttrain.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from posttrain.models.layers import RotaryEmbedding, apply_rotary
 from posttrain.models.transformer import Transformer
 from tests.engine.tiny import make_llm, tiny_model
 
@@ -108,9 +108,18 @@ def test_scope_is_inert_with_the_kernels_turned_off(monkeypatch: pytest.MonkeyPa
 @needs_kernels
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3's per-head q/k norms
 def test_model_forward_in_the_scope_matches_pytorch(qk_norm: bool, kernel_march: str) -> None:
-    cfg = ModelConfig(model_type="qwen3" if qk_norm else "llama", hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=80, head_dim=16,
-                      max_position_embeddings=128, qk_norm=qk_norm)
+    cfg = ModelConfig(
+        model_type="qwen3" if qk_norm else "llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=80,
+        head_dim=16,
+        max_position_embeddings=128,
+        qk_norm=qk_norm,
+    )
     torch.manual_seed(3)
     model = Transformer(cfg).eval()
     ids = torch.randint(0, 80, (2, 12))

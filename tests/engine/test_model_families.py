@@ -57,8 +57,14 @@ def test_greedy_matches_transformers(models) -> None:
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                   min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+            expected = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == expected, family
     if family in MLA_FAMILIES:  # the cache holds the latent and the rotary key only
         mla = ours.config.mla
@@ -70,8 +76,9 @@ def test_sampled_logprobs_equal_dense_forward(models) -> None:
     dense forward's over the same tokens (the paged path equals the training path)."""
     _, _, ours = models
     llm = _llm(ours)
-    outs = llm.generate(PROMPTS[1:], SamplingParams(n=3, temperature=0.8, max_tokens=10, ignore_eos=True, seed=3,
-                                                    logprobs=True))
+    outs = llm.generate(
+        PROMPTS[1:], SamplingParams(n=3, temperature=0.8, max_tokens=10, ignore_eos=True, seed=3, logprobs=True)
+    )
     for prompt, out in zip(PROMPTS[1:], outs):
         for sample in out.outputs:
             ids = torch.tensor([prompt + sample.token_ids])

@@ -74,7 +74,7 @@ def test_a_changed_weight_is_packed_again() -> None:
 def test_calls_that_do_not_qualify_take_f_linear(case: str) -> None:
     x, weight = torch.randn(MIN_ROWS, 8), torch.randn(16, 8)
     if case == "few rows":
-        x = x[:MIN_ROWS - 1]
+        x = x[: MIN_ROWS - 1]
     elif case == "fp64":
         x, weight = x.double(), weight.double()
     elif case == "needs grad":
@@ -107,8 +107,9 @@ def test_the_scope_routes_nn_linear_and_leaves_other_ops_alone() -> None:
 
 
 def _rollout(llm, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
-    outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True,
-                                                logprobs=True))
+    outs = llm.generate(
+        prompts, SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True, logprobs=True)
+    )
     return [c.token_ids for o in outs for c in o.outputs], torch.tensor([c.logprobs for o in outs for c in o.outputs])
 
 

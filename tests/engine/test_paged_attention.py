@@ -68,16 +68,25 @@ def test_fast_path_matches_reference(seed: int, fast_path: str) -> None:
     cache = torch.randn(2, num_blocks, BS, HKV, D)
     outs = []
     for fn in (reference_paged_attention, paged_attention):
-        meta = PagedAttentionMetadata([cache.clone()], torch.tensor(slots), block_tables, torch.tensor(ctx),
-                                      torch.tensor(qlens), max(qlens))
+        meta = PagedAttentionMetadata(
+            [cache.clone()], torch.tensor(slots), block_tables, torch.tensor(ctx), torch.tensor(qlens), max(qlens)
+        )
         outs.append(fn(q, k, v, meta, 0))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
 def _tiny_model() -> Transformer:
-    cfg = ModelConfig(model_type="llama", hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, vocab_size=64, head_dim=8,
-                      max_position_embeddings=128)
+    cfg = ModelConfig(
+        model_type="llama",
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=64,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return Transformer(cfg).eval()
 
@@ -93,6 +102,7 @@ def test_paged_model_path_matches_dense(fast_path: str) -> None:
     shared = [1, 2]  # full prompt blocks, shared by all samples
     own = [[3, 4], [5, 6], [7, 8]]  # each sample's copy of the partial prompt block, then one more
     with torch.inference_mode():
+
         def run(tokens_per_seq, starts, tables):
             ids, pos, slots, qlens, ctx = [], [], [], [], []
             for toks, start, table in zip(tokens_per_seq, starts, tables):
@@ -102,8 +112,14 @@ def test_paged_model_path_matches_dense(fast_path: str) -> None:
                 qlens.append(len(toks))
                 ctx.append(start + len(toks))
             width = max(len(t) for t in tables)
-            meta = PagedAttentionMetadata(caches, torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                                          torch.tensor(ctx), torch.tensor(qlens), max(qlens))
+            meta = PagedAttentionMetadata(
+                caches,
+                torch.tensor(slots),
+                torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                torch.tensor(ctx),
+                torch.tensor(qlens),
+                max(qlens),
+            )
             return model.hidden_states(torch.tensor(ids), positions=torch.tensor(pos), attn_meta=meta)
 
         # Prefill the prompt for sample 0 in two chunks; copy the partial block for the others.
@@ -156,7 +172,8 @@ def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.Monkey
             q, k, v = torch.randn(S, H, D), torch.randn(S, HKV, D), torch.randn(S, HKV, D)
             out = paged_attention(q, k, v, meta, layer)
             expected = reference_paged_attention(
-                q, k, v, PagedAttentionMetadata(ref, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1), layer)
+                q, k, v, PagedAttentionMetadata(ref, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1), layer
+            )
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         plan = plan_for(meta, BS).decode
         assert plan.staging is not None

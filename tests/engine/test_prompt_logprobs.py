@@ -42,7 +42,9 @@ def test_a_batch_of_prompts_of_different_lengths() -> None:
 def test_generation_is_unchanged_and_off_by_default() -> None:
     llm = make_llm()
     plain = llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=8, logprobs=True, seed=5))
-    scored = llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=8, logprobs=True, seed=5, prompt_logprobs=2))
+    scored = llm.generate(
+        PROMPTS, SamplingParams(temperature=0.8, max_tokens=8, logprobs=True, seed=5, prompt_logprobs=2)
+    )
     for a, b in zip(plain, scored):
         assert a.prompt_logprobs is None and a.prompt_top_logprobs is None
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -93,15 +95,17 @@ def test_prefix_cache_hits_never_skip_positions_that_need_logprobs() -> None:
         assert out.num_cached_tokens == 0  # the cached blocks were there; taking them would skip their logits
         assert_prompt_logprobs(llm.engine.model, LONG, out.prompt_logprobs)
     assert [[t for t, _ in step] for step in second.prompt_top_logprobs[1:]] == [
-        [t for t, _ in step] for step in first.prompt_top_logprobs[1:]]
+        [t for t, _ in step] for step in first.prompt_top_logprobs[1:]
+    ]
     # A request without prompt logprobs still reuses the blocks the scoring requests published.
     assert llm.generate([LONG], SamplingParams(temperature=0, max_tokens=2))[0].num_cached_tokens == 60
 
 
 def test_n_samples_share_one_set_computed_once() -> None:
     llm = make_llm(enable_prefix_caching=False)
-    out = llm.generate([LONG], SamplingParams(n=4, temperature=1.0, max_tokens=3, ignore_eos=True, seed=1,
-                                              prompt_logprobs=2))[0]
+    out = llm.generate(
+        [LONG], SamplingParams(n=4, temperature=1.0, max_tokens=3, ignore_eos=True, seed=1, prompt_logprobs=2)
+    )[0]
     assert len(out.outputs) == 4 and all(len(o.token_ids) == 3 for o in out.outputs)
     assert_prompt_logprobs(llm.engine.model, LONG, out.prompt_logprobs)
     assert len(out.prompt_top_logprobs) == len(LONG)
@@ -122,8 +126,11 @@ def test_preemption_neither_duplicates_nor_loses_entries(prefix_caching: bool) -
 
 
 def test_preempted_mid_prefill_reuses_only_positions_it_has() -> None:
-    engine = LLMEngine(tiny_model(), CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8,
-                                                                   max_num_batched_tokens=24))
+    engine = LLMEngine(
+        tiny_model(),
+        CharTokenizer(),
+        EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=24),
+    )
     engine.add_request("r", LONG, SamplingParams(max_tokens=1, prompt_logprobs=0))
     engine.step()  # the first chunk: tokens 0..23, so the logprobs of tokens 1..24
     engine.scheduler.preempt_all()
@@ -152,8 +159,10 @@ def test_entries_from_a_later_token_skip_the_earlier_ones() -> None:
     llm = make_llm()
     full = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprob_ranks=True))[0]
     for start in (1, 2, 30, len(LONG) - 1, len(LONG), len(LONG) + 5):
-        out = llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprobs_from=start,
-                                                  prompt_logprob_ranks=True))[0]
+        out = llm.generate(
+            [LONG],
+            SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprobs_from=start, prompt_logprob_ranks=True),
+        )[0]
         skipped = min(start, len(LONG))
         for got in (out.prompt_logprobs, out.prompt_logprob_ranks):
             assert len(got) == len(LONG) and got[:skipped] == [None] * skipped
@@ -162,7 +171,8 @@ def test_entries_from_a_later_token_skip_the_earlier_ones() -> None:
         if skipped < len(LONG):
             assert_reordered(torch.tensor(out.prompt_logprobs[skipped:]), torch.tensor(full.prompt_logprobs[skipped:]))
         assert [[t for t, _ in top] for top in out.prompt_top_logprobs[skipped:]] == [
-            [t for t, _ in top] for top in full.prompt_top_logprobs[skipped:]]
+            [t for t, _ in top] for top in full.prompt_top_logprobs[skipped:]
+        ]
 
 
 def test_a_shared_prompt_comes_from_the_prefix_cache_when_only_completions_are_scored() -> None:
@@ -179,16 +189,19 @@ def test_a_shared_prompt_comes_from_the_prefix_cache_when_only_completions_are_s
         for ids, out in zip((chosen, rejected), outs):
             assert out.prompt_logprobs[:first] == [None] * first
             dense = dense_log_softmax(llm.engine.model, ids).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-            torch.testing.assert_close(torch.tensor(out.prompt_logprobs[first:]), dense[first - 1:], atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(out.prompt_logprobs[first:]), dense[first - 1 :], atol=1e-4, rtol=0)
         assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"prompt_logprobs": 0, "prompt_logprobs_from": 0}, "prompt_logprobs_from must be an integer >= 1"),
-    ({"prompt_logprobs_from": 3}, "prompt_logprobs_from must be 1 unless prompt_logprobs is set"),
-    ({"prompt_logprob_ranks": True}, "prompt_logprob_ranks must be a bool, and False unless prompt_logprobs"),
-    ({"prompt_logprobs": 0, "prompt_logprob_ranks": 1}, "prompt_logprob_ranks must be a bool"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"prompt_logprobs": 0, "prompt_logprobs_from": 0}, "prompt_logprobs_from must be an integer >= 1"),
+        ({"prompt_logprobs_from": 3}, "prompt_logprobs_from must be 1 unless prompt_logprobs is set"),
+        ({"prompt_logprob_ranks": True}, "prompt_logprob_ranks must be a bool, and False unless prompt_logprobs"),
+        ({"prompt_logprobs": 0, "prompt_logprob_ranks": 1}, "prompt_logprob_ranks must be a bool"),
+    ],
+)
 def test_bad_prompt_logprobs_from_is_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)

@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from posttrain.engine.sampler import (
+    _SUM_BLOCK,
     SampleOutput,
     SamplingRow,
     SamplingWorkspace,
@@ -28,7 +29,6 @@ from posttrain.engine.sampler import (
     sample,
     sample_from_weights,
 )
-from posttrain.engine.sampler import _SUM_BLOCK
 from posttrain.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from posttrain.errors import PosttrainError
 from tests.numeric import serial_sum_rtol
@@ -58,6 +58,7 @@ def row(prompt=(1, 2, 3), output=(), generator=None, eos=(0,), **params) -> Samp
 
 # --- SamplingParams -------------------------------------------------------------------------
 
+
 def test_defaults_follow_vllm():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_k, p.top_p, p.min_p) == (1, 1.0, 0, 1.0, 0.0)
@@ -77,20 +78,43 @@ def test_num_top_logprobs(logprobs, top):
     assert SamplingParams(logprobs=logprobs).num_top_logprobs == top
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 0), ("n", 1.5), ("n", True),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
-    ("top_k", -2), ("top_k", 2.0),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", float("nan")),
-    ("min_p", -0.1), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-    ("stop", [""]), ("stop", [1]), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-    ("max_tokens", -1), ("max_tokens", 3.0), ("min_tokens", -1),
-    ("seed", 1.5), ("logprobs", -1), ("prompt_logprobs", -1), ("prompt_logprobs", True), ("prompt_logprobs", 1.5),
-    ("ignore_eos", 1), ("skip_special_tokens", None),
-    ("include_stop_str_in_output", "yes"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("n", 1.5),
+        ("n", True),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", "hot"),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", float("nan")),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("stop", [""]),
+        ("stop", [1]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["a"]),
+        ("max_tokens", -1),
+        ("max_tokens", 3.0),
+        ("min_tokens", -1),
+        ("seed", 1.5),
+        ("logprobs", -1),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", True),
+        ("prompt_logprobs", 1.5),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", None),
+        ("include_stop_str_in_output", "yes"),
+    ],
+)
 def test_validation_names_the_field_and_value(field, value):
     with pytest.raises(ValueError) as error:
         SamplingParams(**{field: value})
@@ -140,13 +164,18 @@ def test_min_p_by_hand():
 def test_penalties_by_hand():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.0, 3.0]])
     # prompt has token 0; output has token 1 twice and token 3 once; token 4 unseen
-    out = apply_penalties(logits, [[0]], [[1, 3, 1]], torch.tensor([2.0]), torch.tensor([0.5]),
-                          torch.tensor([0.25]))
-    expected = torch.tensor([[2.0 / 2,  # prompt only: repetition
-                              -2.0 * 2 - 0.5 - 0.25 * 2,  # output twice: rep, presence, 2x frequency
-                              1.0,  # unseen
-                              0.0 - 0.5 - 0.25,  # output once, 0 stays 0 under repetition
-                              3.0]])
+    out = apply_penalties(logits, [[0]], [[1, 3, 1]], torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]))
+    expected = torch.tensor(
+        [
+            [
+                2.0 / 2,  # prompt only: repetition
+                -2.0 * 2 - 0.5 - 0.25 * 2,  # output twice: rep, presence, 2x frequency
+                1.0,  # unseen
+                0.0 - 0.5 - 0.25,  # output once, 0 stays 0 under repetition
+                3.0,
+            ]
+        ]
+    )
     assert_close(out, expected)
     assert logits[0, 0] == 2.0  # the input is left alone
 
@@ -157,14 +186,17 @@ def test_penalties_match_a_dense_reference_with_repeats_and_neutral_rows():
     logits = random_logits(4, vocab, seed=5)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (12, 0, 30, 5)]
     outputs = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (25, 7, 0, 9)]
-    rep, presence, frequency = (torch.tensor(v) for v in ([1.3, 0.8, 1.0, 1.0], [0.5, -0.4, 1.0, 0.0],
-                                                          [0.3, 1.1, -0.7, 0.0]))
+    rep, presence, frequency = (
+        torch.tensor(v) for v in ([1.3, 0.8, 1.0, 1.0], [0.5, -0.4, 1.0, 0.0], [0.3, 1.1, -0.7, 0.0])
+    )
     ours = apply_penalties(logits, prompts, outputs, rep, presence, frequency)
 
-    counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab).float()
-                          for o in outputs])  # (R, V)
-    in_prompt = torch.stack([torch.bincount(torch.tensor(p, dtype=torch.long), minlength=vocab) > 0
-                             for p in prompts])  # (R, V)
+    counts = torch.stack(
+        [torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab).float() for o in outputs]
+    )  # (R, V)
+    in_prompt = torch.stack(
+        [torch.bincount(torch.tensor(p, dtype=torch.long), minlength=vocab) > 0 for p in prompts]
+    )  # (R, V)
     seen = in_prompt | (counts > 0)
     expected = torch.where(seen, torch.where(logits < 0, logits * rep[:, None], logits / rep[:, None]), logits)
     expected = expected - frequency[:, None] * counts - presence[:, None] * (counts > 0)
@@ -174,12 +206,12 @@ def test_penalties_match_a_dense_reference_with_repeats_and_neutral_rows():
 
 def test_penalties_ignore_ids_outside_the_vocabulary():
     logits = torch.tensor([[1.0, 1.0]])
-    out = apply_penalties(logits, [[5, -1]], [[7]], torch.tensor([2.0]), torch.tensor([1.0]),
-                          torch.tensor([1.0]))
+    out = apply_penalties(logits, [[5, -1]], [[7]], torch.tensor([2.0]), torch.tensor([1.0]), torch.tensor([1.0]))
     assert torch.equal(out, logits)
 
 
 # --- filters: transformers' processors on identical tensors ---------------------------------
+
 
 @pytest.mark.parametrize("k", [1, 7, 50, 999])
 def test_top_k_matches_transformers(k):
@@ -201,8 +233,8 @@ def test_top_p_per_row_values_match_transformers_row_by_row():
     top_p = torch.tensor([0.3, 1.0, 0.8])
     ours = apply_top_p(logits, top_p)
     for r, p in enumerate(top_p.tolist()):
-        theirs = logits[r:r + 1] if p == 1.0 else TopPLogitsWarper(p)(None, logits[r:r + 1])
-        assert torch.equal(ours[r:r + 1], theirs)
+        theirs = logits[r : r + 1] if p == 1.0 else TopPLogitsWarper(p)(None, logits[r : r + 1])
+        assert torch.equal(ours[r : r + 1], theirs)
 
 
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.6])
@@ -216,8 +248,7 @@ def test_min_p_matches_transformers(min_p):
 def test_repetition_penalty_matches_transformers(penalty):
     logits = random_logits(2, 300)
     prompts, outputs = [[1, 5, 5, 299], [7]], [[9, 1], [8, 8, 3]]
-    ours = apply_penalties(logits, prompts, outputs, torch.full((2,), penalty), torch.zeros(2),
-                           torch.zeros(2))
+    ours = apply_penalties(logits, prompts, outputs, torch.full((2,), penalty), torch.zeros(2), torch.zeros(2))
     seen = torch.tensor([[1, 5, 5, 299, 9, 1], [7, 8, 8, 3, 3, 3]])  # HF: prompt + output ids
     assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(penalty)(seen, logits))
 
@@ -227,11 +258,12 @@ def test_logprobs_match_transformers_temperature_warper():
     rows = [row(temperature=t) for t in (0.5, 1.0, 1.7)]
     output = sample(logits, rows)
     for r, t in enumerate((0.5, 1.0, 1.7)):
-        expected = torch.log_softmax(TemperatureLogitsWarper(t)(None, logits[r:r + 1]), -1)
+        expected = torch.log_softmax(TemperatureLogitsWarper(t)(None, logits[r : r + 1]), -1)
         assert_close(output.logprobs[r], expected[0, output.token_ids[r]])
 
 
 # --- the batched sampler --------------------------------------------------------------------
+
 
 def test_greedy_is_argmax_and_reports_temperature_one_logprobs():
     logits = random_logits(5, 700)
@@ -241,13 +273,16 @@ def test_greedy_is_argmax_and_reports_temperature_one_logprobs():
     assert_close(output.logprobs, expected)
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0.7),
-    dict(temperature=1.3, top_k=20),
-    dict(temperature=0.9, top_p=0.8),
-    dict(temperature=1.0, min_p=0.05),
-    dict(temperature=0.6, top_k=50, top_p=0.9, min_p=0.01),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=20),
+        dict(temperature=0.9, top_p=0.8),
+        dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.6, top_k=50, top_p=0.9, min_p=0.01),
+    ],
+)
 def test_logprobs_are_the_full_distribution_before_truncation(params):
     logits = random_logits(6, 2000, seed=1)
     output = sample(logits, [row(**params) for _ in range(6)])
@@ -259,11 +294,18 @@ def test_logprobs_are_the_full_distribution_before_truncation(params):
 
 def test_logprobs_include_penalties_and_min_tokens_mask():
     logits = random_logits(1, 300, seed=2)
-    r = row(prompt=[4, 5], output=[6], eos=[7], temperature=0.8, repetition_penalty=1.5,
-            frequency_penalty=0.4, min_tokens=3, stop_token_ids=[8])
+    r = row(
+        prompt=[4, 5],
+        output=[6],
+        eos=[7],
+        temperature=0.8,
+        repetition_penalty=1.5,
+        frequency_penalty=0.4,
+        min_tokens=3,
+        stop_token_ids=[8],
+    )
     output = sample(logits, [r])
-    z = apply_penalties(logits, [[4, 5]], [[6]], torch.tensor([1.5]), torch.tensor([0.0]),
-                        torch.tensor([0.4]))
+    z = apply_penalties(logits, [[4, 5]], [[6]], torch.tensor([1.5]), torch.tensor([0.0]), torch.tensor([0.4]))
     z[0, [7, 8]] = NEG_INF
     expected = torch.log_softmax(z / 0.8, -1)[0, output.token_ids[0]]
     assert_close(output.logprobs[0], expected)
@@ -305,8 +347,10 @@ def test_filters_never_draw_removed_tokens():
     for params in cases:
         output = sample(logits, [row(**params)] * 256)
         p = SamplingParams(**params)
-        allowed = apply_min_p(apply_top_p(apply_top_k(logits, torch.full((256,), p.top_k)),
-                                          torch.full((256,), p.top_p)), torch.full((256,), p.min_p))
+        allowed = apply_min_p(
+            apply_top_p(apply_top_k(logits, torch.full((256,), p.top_k)), torch.full((256,), p.top_p)),
+            torch.full((256,), p.min_p),
+        )
         assert (allowed.gather(1, output.token_ids[:, None]) > NEG_INF).all()
 
 
@@ -337,7 +381,7 @@ def test_sample_from_weights_frequencies(vocab):
     generator = torch.Generator().manual_seed(7)
     weights = torch.zeros(vocab)
     support = torch.tensor(sorted({0, 3, vocab // 2, vocab - 2, vocab - 1}))
-    weights[support] = torch.tensor([1.0, 4.0, 2.0, 0.5, 2.5])[:len(support)]
+    weights[support] = torch.tensor([1.0, 4.0, 2.0, 0.5, 2.5])[: len(support)]
     draws = 4_000
     tokens = sample_from_weights(weights.expand(draws, -1), torch.rand(draws, generator=generator))
     counts = torch.bincount(tokens, minlength=vocab).float()
@@ -347,7 +391,7 @@ def test_sample_from_weights_frequencies(vocab):
 
 def test_sample_from_weights_edges_of_the_unit_interval():
     weights = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]] * 3)
-    uniforms = torch.tensor([0.0, 1.0 / 3, 1.0 - 2 ** -24])
+    uniforms = torch.tensor([0.0, 1.0 / 3, 1.0 - 2**-24])
     assert sample_from_weights(weights, uniforms).tolist() == [1, 3, 3]
 
 
@@ -402,9 +446,13 @@ def test_mixed_rows_in_one_batch():
     ]
     output = sample(logits, rows)
     top2 = logits[2].topk(2).indices
-    assert output.token_ids[:5].tolist() == [logits[0].argmax().item(), logits[1].argmax().item(),
-                                             top2[1].item(), logits[3].argmax().item(),
-                                             logits[4].argmax().item()]
+    assert output.token_ids[:5].tolist() == [
+        logits[0].argmax().item(),
+        logits[1].argmax().item(),
+        top2[1].item(),
+        logits[3].argmax().item(),
+        logits[4].argmax().item(),
+    ]
     assert output.top_logprobs[5][0][0] == logits[5].argmax().item()
     assert [len(t) for t in output.top_logprobs] == [0, 0, 0, 0, 0, 1]
 
@@ -414,8 +462,7 @@ def test_workspace_is_reused_across_shapes_and_logits_are_left_alone():
     for rows_count, vocab in ((8, 300), (3, 300), (10, 500)):
         logits = random_logits(rows_count, vocab)
         before = logits.clone()
-        rows = [row(temperature=0.7, repetition_penalty=1.1, output=[1, 2], min_tokens=5)
-                for _ in range(rows_count)]
+        rows = [row(temperature=0.7, repetition_penalty=1.1, output=[1, 2], min_tokens=5) for _ in range(rows_count)]
         output = sample(logits, rows, workspace)
         assert isinstance(output, SampleOutput) and output.token_ids.shape == (rows_count,)
         assert torch.equal(logits, before)

@@ -24,8 +24,12 @@ def byte_bpe() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([CORPUS] * 10, trainer)
     return tokenizer
 
@@ -54,6 +58,7 @@ def stream(detokenizer: IncrementalDetokenizer, ids: list[int]) -> list[str]:
 
 
 # --- IncrementalDetokenizer -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", ["café naïve", "日本語 🙂", " Ærøskøbing, 👩‍💻!", "the answer is 42"])
 def test_byte_bpe_deltas_rebuild_the_text_without_replacement_chars(byte_bpe, text):
@@ -117,7 +122,7 @@ def test_endless_stray_bytes_keep_the_decode_window_bounded():
 def test_characters_staggered_across_token_boundaries():
     text = "日本語の文章"  # 3-byte characters cut into 2-byte tokens: rarely on a boundary
     data = text.encode()
-    pieces = [data[i:i + 2] for i in range(0, len(data), 2)]
+    pieces = [data[i : i + 2] for i in range(0, len(data), 2)]
     detokenizer = IncrementalDetokenizer(ByteTokens(pieces), [])
     deltas = stream(detokenizer, list(range(len(pieces))))
     assert "".join(deltas) == text and all(REPLACEMENT_CHAR not in d for d in deltas)
@@ -163,6 +168,7 @@ def test_only_a_few_prompt_tokens_are_decoded(byte_bpe):
 
 # --- stop strings ---------------------------------------------------------------------------
 
+
 def test_find_stop_spanning_tokens():
     text = ""
     hits = []
@@ -187,14 +193,17 @@ def test_find_stop_only_looks_at_what_the_new_text_can_complete():
     assert find_stop("abc", ["c"], 0) is None
 
 
-@pytest.mark.parametrize("text, stop, safe", [
-    ("Hello ST", ["STOP"], 6),
-    ("Hello STOP", ["STOP"], 10),  # a whole stop string is find_stop's business
-    ("Hello", ["lo!", "o!"], 3),  # the longest held suffix wins
-    ("Hello", [], 5),
-    ("ab", ["abcdef"], 0),
-    ("x\n", ["\n\n"], 1),
-])
+@pytest.mark.parametrize(
+    "text, stop, safe",
+    [
+        ("Hello ST", ["STOP"], 6),
+        ("Hello STOP", ["STOP"], 10),  # a whole stop string is find_stop's business
+        ("Hello", ["lo!", "o!"], 3),  # the longest held suffix wins
+        ("Hello", [], 5),
+        ("ab", ["abcdef"], 0),
+        ("x\n", ["\n\n"], 1),
+    ],
+)
 def test_safe_text_len(text, stop, safe):
     assert safe_text_len(text, stop) == safe
 
@@ -211,7 +220,7 @@ def test_streaming_never_shows_a_hidden_stop_string(byte_bpe, include):
         if hit:
             final = truncate_at_stop(detokenizer.text, *hit, include)
             break
-        ready = detokenizer.text[:safe_text_len(detokenizer.text, stop)]
+        ready = detokenizer.text[: safe_text_len(detokenizer.text, stop)]
         assert ready.startswith(streamed)
         streamed = ready
     assert final == "the answer is 42 " + ("</answer>" if include else "")

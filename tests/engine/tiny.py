@@ -26,14 +26,25 @@ class CharTokenizer:
         return "".join("" if i == EOS and skip_special_tokens else "<eos>" if i == EOS else chr(48 + i) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
-        text = "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
+        text = "".join(f"[{m['role']}]{m['content']}" for m in messages) + (
+            "[assistant]" if add_generation_prompt else ""
+        )
         return self.encode(text) if tokenize else text
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    cfg = ModelConfig(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, vocab_size=VOCAB, head_dim=8,
-                      max_position_embeddings=256, eos_token_id=EOS)
+    cfg = ModelConfig(
+        model_type="llama",
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=EOS,
+    )
     torch.manual_seed(seed)
     model = Transformer(cfg).eval()
     with torch.no_grad():  # sharper logits than the init: fewer near-ties, more varied greedy paths

@@ -21,8 +21,9 @@ from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
 
 # d=64, f=160, H=4, Hkv=2, D=16, V=100, 2 layers, tied: small enough to count by hand.
-TINY = Architecture(layers=2, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=100,
-                    tied_embeddings=True)
+TINY = Architecture(
+    layers=2, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=100, tied_embeddings=True
+)
 # per layer: q 64*64 + k,v 2*64*32 + o 64*64 + mlp 3*64*160 + 2 norms of 64
 LAYER_PARAMS = 4096 + 4096 + 4096 + 30720 + 128  # 43136
 PARAMS = 2 * LAYER_PARAMS + 100 * 64 + 64  # + tied embedding + final norm = 92736
@@ -31,9 +32,17 @@ ADAPTERS_R4 = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 160) + 
 
 
 def tiny_model_config() -> ModelConfig:
-    return ModelConfig(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100, head_dim=16,
-                       tie_word_embeddings=True)
+    return ModelConfig(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
 
 
 def test_parameter_counts_match_the_model() -> None:
@@ -86,8 +95,10 @@ def test_layer_activations_by_hand() -> None:
     # fp32, full: each norm 12d + 4; attention 4 * (2 * 64 + 2 * 32) + 4 * 4 (lse); SwiGLU 4 * 4 * 160
     assert layer_bytes_per_token(TINY, TrainingSetup()) == 2 * (12 * 64 + 4) + 768 + 16 + 2560
     # bf16: norms keep an fp32 input and rsqrt + two bf16 vectors; RoPE's bf16 cos/sin copies (4 x D x 2)
-    assert layer_bytes_per_token(TINY, TrainingSetup(dtype="bfloat16")) == \
-        2 * (4 * 64 + 4 + 4 * 64) + 4 * 16 * 2 + 2 * 192 + 16 + 2 * 4 * 160
+    assert (
+        layer_bytes_per_token(TINY, TrainingSetup(dtype="bfloat16"))
+        == 2 * (4 * 64 + 4 + 4 * 64) + 4 * 16 * 2 + 2 * 192 + 16 + 2 * 4 * 160
+    )
 
 
 def test_kv_cache_formula() -> None:
@@ -139,8 +150,12 @@ def test_grpo_activations_count_the_packed_rows_and_their_mask() -> None:
     pack = pack_groups(prompts, completions)
     from posttrain.models.attention import DenseAttentionMetadata
 
-    measured = _saved_bytes(model, lambda: model.hidden_states(
-        pack.input_ids, positions=pack.positions, attn_meta=DenseAttentionMetadata(pack.mask)))
+    measured = _saved_bytes(
+        model,
+        lambda: model.hidden_states(
+            pack.input_ids, positions=pack.positions, attn_meta=DenseAttentionMetadata(pack.mask)
+        ),
+    )
     setup = TrainingSetup(trainer="grpo", batch=8, group_size=4, seq_len=9, prompt_len=5)
     # rows of 5 + 4 x 3 = 17 tokens; the positions are (R, T) here, so RoPE's cos/sin are per token too
     assert activations_bytes(TINY, setup) == measured
@@ -167,8 +182,10 @@ def _row(prompt: int, completion: int, first: int = 1) -> TokenizedRow:
 
 def _pairs(prompt: int, completion: int) -> list[PairRow]:
     """Two preference pairs whose four rows have the same length, so every row has `completion` targets."""
-    return [PairRow(_row(prompt, completion, 1), _row(prompt, completion, 30)),
-            PairRow(_row(prompt, completion, 50), _row(prompt, completion, 70))]
+    return [
+        PairRow(_row(prompt, completion, 1), _row(prompt, completion, 30)),
+        PairRow(_row(prompt, completion, 50), _row(prompt, completion, 70)),
+    ]
 
 
 def _measure_sft(model: Transformer) -> tuple[int, TrainingSetup]:
@@ -207,8 +224,8 @@ def _measure_rm(model: Transformer) -> tuple[int, TrainingSetup]:
 def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
     """packed_forward as the update calls it (entropy as a metric; PPO with its value head). The policy and
     value losses on the (B, L) outputs are not counted (docs/estimate.md says what they keep)."""
-    from posttrain.trainers.rl.ppo import ValueHead
     from posttrain.trainers.rl.batch import pack_groups, packed_forward
+    from posttrain.trainers.rl.ppo import ValueHead
 
     pack = pack_groups([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[[11, 12, 13, 14]] * 4, [[15, 16, 17, 18]] * 4])
     head = ValueHead(64, model.dtype, model.device) if trainer == "ppo" else None
@@ -217,8 +234,9 @@ def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
     return measured, TrainingSetup(trainer=trainer, batch=8, group_size=4, seq_len=9, prompt_len=5)
 
 
-@pytest.mark.parametrize("method, dtype", [("full", "float32"), ("lora", "float32"), ("full", "bfloat16"),
-                                           ("lora", "bfloat16")])
+@pytest.mark.parametrize(
+    "method, dtype", [("full", "float32"), ("lora", "float32"), ("full", "bfloat16"), ("lora", "bfloat16")]
+)
 @pytest.mark.parametrize("trainer", ["sft", "dpo", "rm", "grpo", "ppo"])
 def test_trainer_forward_keeps_activations_plus_loss_head(trainer: str, method: str, dtype: str) -> None:
     """Each trainer's own loss forward on a tiny model: the estimator's activations plus the loss head's kept
@@ -320,17 +338,54 @@ def test_from_params_solves_the_intermediate_size() -> None:
 def test_cli_json_keys_and_default_model(capsys: pytest.CaptureFixture[str], default_model_dir: object) -> None:
     assert main(["estimate", "--json", "--batch", "2", "--seq-len", "128"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "kv_cache_bytes",
-                "total_bytes", "activations_checkpointed_bytes", "step_seconds"):
+    for key in (
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activations_bytes",
+        "kv_cache_bytes",
+        "total_bytes",
+        "activations_checkpointed_bytes",
+        "step_seconds",
+    ):
         assert isinstance(out[key], (int, float)), key
     assert out["parameters"] == 134_515_008  # SmolLM2-135M, read from its config only
     assert out["model"] == "smollm2-135m" and out["dtype"] == "float32"
 
 
 def test_cli_params_and_text_output(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", "--params", "1.5B", "--layers", "28", "--hidden", "1536", "--heads", "12",
-                 "--kv-heads", "2", "--vocab", "151936", "--device", "h100", "--trainer", "grpo", "--batch", "64",
-                 "--seq-len", "1024", "--prompt-len", "256", "--method", "lora"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "1.5B",
+                "--layers",
+                "28",
+                "--hidden",
+                "1536",
+                "--heads",
+                "12",
+                "--kv-heads",
+                "2",
+                "--vocab",
+                "151936",
+                "--device",
+                "h100",
+                "--trainer",
+                "grpo",
+                "--batch",
+                "64",
+                "--seq-len",
+                "1024",
+                "--prompt-len",
+                "256",
+                "--method",
+                "lora",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "rollout KV cache" in text and "fits in one h100" in text
 
@@ -383,18 +438,28 @@ def test_every_trainer_a_setup_accepts_has_rules() -> None:
         assert rules(TrainingSetup(trainer=name)) is TRAINERS[name]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--params", "7B"], "--params needs --layers and --hidden"),
-    (["--layers", "4"], "use them with --params"),
-    (["--model", "x", "--params", "7B", "--layers", "2", "--hidden", "64"], "not both"),
-    (["--prompt-len", "600", "--seq-len", "512", "--params", "10M", "--layers", "2", "--hidden", "64"], "prompt-len"),
-    (["--batch", "0", "--params", "10M", "--layers", "2", "--hidden", "64"], "batch must be at least 1"),
-    (["--lora-targets", "q_proj,nope", "--method", "lora", "--params", "10M", "--layers", "2", "--hidden", "64"],
-     "lora targets"),
-    (["--model", "/no/such/model"], "no such file"),
-    (["--trainer", "rm", "--reference", "--params", "10M", "--layers", "2", "--hidden", "64"],
-     "the rm trainer has no reference model"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params", "7B"], "--params needs --layers and --hidden"),
+        (["--layers", "4"], "use them with --params"),
+        (["--model", "x", "--params", "7B", "--layers", "2", "--hidden", "64"], "not both"),
+        (
+            ["--prompt-len", "600", "--seq-len", "512", "--params", "10M", "--layers", "2", "--hidden", "64"],
+            "prompt-len",
+        ),
+        (["--batch", "0", "--params", "10M", "--layers", "2", "--hidden", "64"], "batch must be at least 1"),
+        (
+            ["--lora-targets", "q_proj,nope", "--method", "lora", "--params", "10M", "--layers", "2", "--hidden", "64"],
+            "lora targets",
+        ),
+        (["--model", "/no/such/model"], "no such file"),
+        (
+            ["--trainer", "rm", "--reference", "--params", "10M", "--layers", "2", "--hidden", "64"],
+            "the rm trainer has no reference model",
+        ),
+    ],
+)
 def test_cli_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", *argv]) == 2
     assert message in capsys.readouterr().err

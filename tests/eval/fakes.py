@@ -20,8 +20,10 @@ class FakeLLM:
         outputs = []
         for i, prompt in enumerate(prompts):
             texts = self.completions[prompt[-1]["content"]]
-            samples = [CompletionOutput(j, texts[j], list(range(len(texts[j]))), finish_reason="stop", policy_version=0)
-                       for j in range(params.n)]
+            samples = [
+                CompletionOutput(j, texts[j], list(range(len(texts[j]))), finish_reason="stop", policy_version=0)
+                for j in range(params.n)
+            ]
             outputs.append(RequestOutput(f"fake-{i}", None, [1, 2, 3], samples, finished=True))
         return outputs
 

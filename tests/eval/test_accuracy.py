@@ -18,13 +18,17 @@ from posttrain.tasks import TaskError
 from tests.eval.fakes import FakeLLM, chat
 
 # Four problems, four samples each; numeric_match reads the last number.
-ROWS = [{"prompt": chat("2+2?"), "answer": "4"}, {"prompt": chat("3+3?"), "answer": "6"},
-        {"prompt": chat("5+5?"), "answer": "10"}, {"prompt": chat("no reference"), "answer": None}]
+ROWS = [
+    {"prompt": chat("2+2?"), "answer": "4"},
+    {"prompt": chat("3+3?"), "answer": "6"},
+    {"prompt": chat("5+5?"), "answer": "10"},
+    {"prompt": chat("no reference"), "answer": None},
+]
 COMPLETIONS = {
-    "2+2?": ["4", "It is 4.", "5", "4"],          # 3 of 4 correct
-    "3+3?": ["7", "8", "six", "6"],              # 1 of 4 (the last)
-    "5+5?": ["11", "9", "no idea", "12"],        # 0 of 4
-    "no reference": ["1", "2", "3", "4"],        # unscorable: no reference answer
+    "2+2?": ["4", "It is 4.", "5", "4"],  # 3 of 4 correct
+    "3+3?": ["7", "8", "six", "6"],  # 1 of 4 (the last)
+    "5+5?": ["11", "9", "no idea", "12"],  # 0 of 4
+    "no reference": ["1", "2", "3", "4"],  # unscorable: no reference answer
 }
 
 
@@ -42,8 +46,9 @@ def test_greedy_accuracy_equals_a_hand_count():
 
 
 def test_sampled_pass_at_k_equals_a_hand_count():
-    result = evaluate_accuracy(FakeLLM(COMPLETIONS), ROWS, ["numeric_match"],
-                               sampling=Sampling(n=4, temperature=1.0), ks=[1, 2, 4])
+    result = evaluate_accuracy(
+        FakeLLM(COMPLETIONS), ROWS, ["numeric_match"], sampling=Sampling(n=4, temperature=1.0), ks=[1, 2, 4]
+    )
     assert (result.correct, result.scorable, result.unscorable) == (4, 12, 4)
     assert result.accuracy == pytest.approx(4 / 12)
     # per problem (n, c): (4, 3), (4, 1), (4, 0); pass@2 = mean(1 - C(1,2)/C(4,2), 1 - C(3,2)/C(4,2), 0)
@@ -51,8 +56,11 @@ def test_sampled_pass_at_k_equals_a_hand_count():
     assert result.pass_at_k[2] == pytest.approx((1 + (1 - 3 / 6) + 0) / 3)
     assert result.pass_at_k[4] == pytest.approx((1 + 1 + 0) / 3)
     assert result.problems_for_k == {1: 3, 2: 3, 4: 3}
-    assert result.to_dict()["pass_at_k"] == {"pass@1": result.pass_at_k[1], "pass@2": result.pass_at_k[2],
-                                             "pass@4": result.pass_at_k[4]}
+    assert result.to_dict()["pass_at_k"] == {
+        "pass@1": result.pass_at_k[1],
+        "pass@2": result.pass_at_k[2],
+        "pass@4": result.pass_at_k[4],
+    }
 
 
 def test_custom_reward_from_a_file_threshold_and_partly_unscorable_problems(tmp_path):
@@ -65,8 +73,9 @@ def test_custom_reward_from_a_file_threshold_and_partly_unscorable_problems(tmp_
         "    return out\n"
     )
     spec = f"{reward_file}:graded"
-    result = evaluate_accuracy(FakeLLM(COMPLETIONS), ROWS, [spec], sampling=Sampling(n=4, temperature=1.0),
-                               ks=[1, 4], threshold=0.2)
+    result = evaluate_accuracy(
+        FakeLLM(COMPLETIONS), ROWS, [spec], sampling=Sampling(n=4, temperature=1.0), ks=[1, 4], threshold=0.2
+    )
     assert result.unscorable == 1 and result.scorable == 15
     # reward >= 0.2 means at least 2 characters: "It is 4." | "six" | "11", "12" | none of "1".."4"
     counts = [(4, 1), (4, 1), (3, 2), (4, 0)]  # (scorable, correct) per problem; "no idea" is unscorable
@@ -113,15 +122,15 @@ def test_task_rows_are_the_trainers_held_out_problems():
 
 def test_file_rows_and_their_errors(tmp_path):
     data = tmp_path / "qa.jsonl"
-    data.write_text(json.dumps({"question": "2+2?", "solution": 4}) + "\n" +
-                    json.dumps({"question": "3+3?"}) + "\n")
+    data.write_text(json.dumps({"question": "2+2?", "solution": 4}) + "\n" + json.dumps({"question": "3+3?"}) + "\n")
     with pytest.raises(DataError, match=r"qa.jsonl:2: no answer column 'solution' \(columns: question\)"):
         file_rows(data, "question", "solution")
     with pytest.raises(DataError, match=r"qa.jsonl:1: no prompt column 'prompt'"):
         file_rows(data, "prompt", "solution")
     rows = file_rows(data, "question", "solution", max_rows=1, system_prompt="Be brief.").rows
-    assert rows == [{"answer": 4, "prompt": [{"role": "system", "content": "Be brief."},
-                                             {"role": "user", "content": "2+2?"}]}]
+    assert rows == [
+        {"answer": 4, "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]}
+    ]
     rows = file_rows(data, "question", "solution", max_rows=1, template="Q: {question}").rows
     assert rows[0]["prompt"] == [{"role": "user", "content": "Q: 2+2?"}]
     with pytest.raises(PosttrainError, match=r"qa.jsonl:1: prompt template 'Q: \{missing\}' cannot be filled"):
@@ -164,10 +173,16 @@ def test_make_engine_sizes_the_context_to_the_longest_prompt(tmp_path):
     rows = [{"prompt": chat("a short one")}, {"prompt": "a plain text prompt that is somewhat longer"}]
     llm = make_engine(directory, rows, Sampling(n=2, temperature=1.0, max_tokens=5))
     tokenizer = tiny_tokenizer()
-    longest = max(len(tokenizer.apply_chat_template(chat("a short one"), add_generation_prompt=True, tokenize=True)),
-                  len(tokenizer.encode(rows[1]["prompt"], add_special_tokens=True)))
+    longest = max(
+        len(tokenizer.apply_chat_template(chat("a short one"), add_generation_prompt=True, tokenize=True)),
+        len(tokenizer.encode(rows[1]["prompt"], add_special_tokens=True)),
+    )
     assert llm.engine.config.max_model_len == longest + 5
     assert llm.engine.config.max_num_seqs == 4  # 2 prompts x 2 samples, one wave
-    result = evaluate_accuracy(llm, [dict(r, answer="1") for r in rows], ["numeric_match"],
-                               sampling=Sampling(n=2, temperature=1.0, max_tokens=5))
+    result = evaluate_accuracy(
+        llm,
+        [dict(r, answer="1") for r in rows],
+        ["numeric_match"],
+        sampling=Sampling(n=2, temperature=1.0, max_tokens=5),
+    )
     assert result.samples == 4 and result.scorable == 4

@@ -8,7 +8,7 @@ import pytest
 from posttrain.data.validate import DataError
 from posttrain.errors import PosttrainError
 from posttrain.eval import Sampling, evaluate_em_f1, exact_match, normalize_answer, token_f1
-from posttrain.eval.em_f1 import extract_answer, compile_extract, score_em_f1
+from posttrain.eval.em_f1 import compile_extract, extract_answer, score_em_f1
 from tests.eval.fakes import FakeLLM, chat
 
 
@@ -34,7 +34,9 @@ def test_exact_match_and_f1_by_hand():
 def test_best_over_several_references_and_extraction():
     ems, f1s, no_match = score_em_f1(
         ["Answer: Paris, France", "I think it is Rome", "Answer: the moon"],
-        [["London", "Paris, France"], ["rome"], []], extract=r"Answer:\s*(.*)")
+        [["London", "Paris, France"], ["rome"], []],
+        extract=r"Answer:\s*(.*)",
+    )
     assert ems == [1.0, 0.0, None]  # the second has no "Answer:" -> empty prediction; the third no reference
     assert f1s == [1.0, 0.0, None]
     assert no_match == 1
@@ -45,11 +47,14 @@ def test_best_over_several_references_and_extraction():
 
 
 def test_evaluation_on_canned_completions():
-    rows = [{"prompt": chat("capital of France?"), "answer": ["Paris", "paris, france"]},
-            {"prompt": chat("largest planet?"), "answer": "Jupiter"},
-            {"prompt": chat("unknown"), "answer": None}]
-    llm = FakeLLM({"capital of France?": ["It is Paris, France."], "largest planet?": ["Saturn or Jupiter"],
-                   "unknown": ["?"]})
+    rows = [
+        {"prompt": chat("capital of France?"), "answer": ["Paris", "paris, france"]},
+        {"prompt": chat("largest planet?"), "answer": "Jupiter"},
+        {"prompt": chat("unknown"), "answer": None},
+    ]
+    llm = FakeLLM(
+        {"capital of France?": ["It is Paris, France."], "largest planet?": ["Saturn or Jupiter"], "unknown": ["?"]}
+    )
     result = evaluate_em_f1(llm, rows, extract=r"(?:It is )?(.*)")
     # 1: "Paris, France." -> EM 1 vs the second reference; 2: "Saturn or Jupiter" vs "Jupiter": P 1/3, R 1 -> F1 1/2
     assert result.exact_match == pytest.approx(1 / 2)

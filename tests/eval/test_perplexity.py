@@ -47,8 +47,13 @@ def test_batch_size_does_not_change_the_result():
 
 def test_evaluate_reads_a_column_skips_and_cuts(tmp_path):
     data = tmp_path / "rows.jsonl"
-    data.write_text("\n".join(json.dumps({"question": "q", "answer": text}) for text in
-                              ["first row", "ab", "a longer third row", "fourth"]) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps({"question": "q", "answer": text})
+            for text in ["first row", "ab", "a longer third row", "fourth"]
+        )
+        + "\n"
+    )
     model, tokenizer = tiny_model(), char_tokenizer()
     result = evaluate_perplexity(model, tokenizer, data, column="answer", skip=1, max_rows=2, max_length=6)
     rows = [tokenizer.encode(t, add_special_tokens=True)[:6] for t in ["ab", "a longer third row"]]

@@ -56,8 +56,9 @@ def completion_logp(model, row) -> float:
     """Sum of log p(token | prefix) over the labelled (completion) tokens, from one full forward."""
     ids = torch.tensor([row.input_ids])
     logprobs = F.log_softmax(model(ids)[0].double(), dim=-1)  # (T, V)
-    return sum(logprobs[t - 1, row.input_ids[t]].item() for t in range(1, len(row.input_ids))
-               if row.labels[t] != IGNORE_INDEX)
+    return sum(
+        logprobs[t - 1, row.input_ids[t]].item() for t in range(1, len(row.input_ids)) if row.labels[t] != IGNORE_INDEX
+    )
 
 
 def test_dpo_implicit_reward_by_hand(tmp_path):
@@ -67,8 +68,9 @@ def test_dpo_implicit_reward_by_hand(tmp_path):
 
     margins = []
     for row in pair_rows():
-        pair = tokenize_pair_for_policy(tokenizer, Preference(row["prompt"], row["chosen"], row["rejected"]),
-                                        DataConfig(path="x"))
+        pair = tokenize_pair_for_policy(
+            tokenizer, Preference(row["prompt"], row["chosen"], row["rejected"]), DataConfig(path="x")
+        )
         chosen = 0.5 * (completion_logp(policy, pair.chosen) - completion_logp(reference, pair.chosen))
         rejected = 0.5 * (completion_logp(policy, pair.rejected) - completion_logp(reference, pair.rejected))
         margins.append(chosen - rejected)
@@ -89,7 +91,7 @@ def test_dpo_margins_equal_the_trainers_sequence_logps(tmp_path):
     pairs = load_pairs(DataConfig(path=str(data)), tokenizer, 0, tokenize_pair_for_policy).train
     rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     rewards = 0.5 * (frozen_logps(policy, rows, 4, 0) - frozen_logps(reference, rows, 4, 0)).double()  # (2P,)
-    expected = rewards[: len(pairs)] - rewards[len(pairs):]
+    expected = rewards[: len(pairs)] - rewards[len(pairs) :]
     assert result.margins == pytest.approx(expected.tolist(), abs=1e-4)
 
 
@@ -107,8 +109,14 @@ def test_dpo_scoring_shares_each_prompt_through_the_prefix_cache(tmp_path, monke
 
     monkeypatch.setattr(scoring, "LLM", RecordingLLM)
     policy, reference, tokenizer = tiny_model(seed=0), tiny_model(seed=1), tiny_tokenizer()
-    rows = [{"prompt": "a long shared question about the weather in the mountains " * 2, "chosen": f" yes {i}",
-             "rejected": f" no, not at all {i}"} for i in range(5)]
+    rows = [
+        {
+            "prompt": "a long shared question about the weather in the mountains " * 2,
+            "chosen": f" yes {i}",
+            "rejected": f" no, not at all {i}",
+        }
+        for i in range(5)
+    ]
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     result = evaluate_dpo(policy, reference, tokenizer, data, beta=0.5, batch_size=2)
     assert len(engines) == 2  # the policy's scoring, then the reference's
@@ -120,14 +128,19 @@ def test_dpo_scoring_shares_each_prompt_through_the_prefix_cache(tmp_path, monke
         assert llm.stats()["prefix_cache_hit_tokens"] >= len(pairs) * prompt_blocks * 16
     sequence = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     rewards = 0.5 * (frozen_logps(policy, sequence, 4, 0) - frozen_logps(reference, sequence, 4, 0)).double()
-    assert result.margins == pytest.approx((rewards[: len(pairs)] - rewards[len(pairs):]).tolist(), abs=1e-4)
+    assert result.margins == pytest.approx((rewards[: len(pairs)] - rewards[len(pairs) :]).tolist(), abs=1e-4)
 
 
 def test_policy_equal_to_reference_ties_everywhere_and_hh_rlhf_rows(tmp_path):
     transcripts = [
-        {"chosen": "\n\nHuman: What is 2 plus 3?\n\nAssistant: Five.", "rejected": "\n\nHuman: What is 2 plus 3?\n\nAssistant: Blue."},
-        {"chosen": "\n\nHuman: Hello!\n\nAssistant: Hi, how can I help?\n\nHuman: Say 42.\n\nAssistant: 42.",
-         "rejected": "\n\nHuman: Hello!\n\nAssistant: Hi, how can I help?\n\nHuman: Say 42.\n\nAssistant: No."},
+        {
+            "chosen": "\n\nHuman: What is 2 plus 3?\n\nAssistant: Five.",
+            "rejected": "\n\nHuman: What is 2 plus 3?\n\nAssistant: Blue.",
+        },
+        {
+            "chosen": "\n\nHuman: Hello!\n\nAssistant: Hi, how can I help?\n\nHuman: Say 42.\n\nAssistant: 42.",
+            "rejected": "\n\nHuman: Hello!\n\nAssistant: Hi, how can I help?\n\nHuman: Say 42.\n\nAssistant: No.",
+        },
     ]
     data = write_jsonl(tmp_path / "hh.jsonl", transcripts)
     model = tiny_model(seed=3)

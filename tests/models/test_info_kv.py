@@ -34,7 +34,9 @@ def test_info_kv_bytes_per_token(family, tmp_path, capsys):
         assert config_only["kv_cache_bytes_per_token"] == layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
         heads, qk, v = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
         assert config_only["kv_cache_bytes_per_token_as_mha"] == layers * heads * (qk + v) * 2
-        assert config_only["experts"].startswith("2 of 8 per token (sigmoid_group_limited, shared expert 32) in 1 layers")
+        assert config_only["experts"].startswith(
+            "2 of 8 per token (sigmoid_group_limited, shared expert 32) in 1 layers"
+        )
     else:
         assert loaded["kv_cache_bytes_per_token"] == 2 * layers * cfg.num_key_value_heads * 16 * 4
     if family == "mixtral":

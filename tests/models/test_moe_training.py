@@ -21,12 +21,31 @@ ROUTER_KEYS = ("router/aux_loss", "router/load_cv", "router/load_max", "router/l
 
 def tiny_moe(vocab_size: int, eos: int = 2, seed: int = 0) -> Transformer:
     """Qwen2-MoE shaped: 2 layers of 4 experts (top 2) and a gated shared expert."""
-    moe = MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                    shared_expert_gate=True, router_aux_loss_coef=0.01)
-    cfg = ModelConfig(model_type="qwen2_moe", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size, head_dim=8,
-                      max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True, bos_token_id=1,
-                      eos_token_id=eos, pad_token_id=eos, moe=moe)
+    moe = MoEConfig(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        shared_expert_gate=True,
+        router_aux_loss_coef=0.01,
+    )
+    cfg = ModelConfig(
+        model_type="qwen2_moe",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        bos_token_id=1,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        moe=moe,
+    )
     torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():  # varied samples (the default init puts most mass on one token)
@@ -68,13 +87,29 @@ def test_sft_runs_on_a_tiny_moe_and_logs_router_metrics(tmp_path: Path) -> None:
     tok = tiny_tokenizer()
     model_dir = save_hf_dir(tiny_moe(VOCAB_SIZE), tmp_path / "model", tokenizer=tok)
     data = tmp_path / "qa.jsonl"
-    rows = [("What is two plus three?", "Two plus three is five."), ("What color is the sky?", "The sky is blue."),
-            ("Hello!", "Hello! How can I help you today?"), ("What is the answer?", "The answer is 42.")]
+    rows = [
+        ("What is two plus three?", "Two plus three is five."),
+        ("What color is the sky?", "The sky is blue."),
+        ("Hello!", "Hello! How can I help you today?"),
+        ("What is the answer?", "The answer is 42."),
+    ]
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
-    cfg = load_config(SFTConfig, overrides=[
-        f"model.name_or_path={model_dir}", f"data.path={data}", "data.columns={prompt: question, completion: answer}",
-        "data.as_chat=true", f"out={tmp_path / 'run'}", "train.progress=false", "train.max_steps=3",
-        "train.batch_size=2", "train.grad_accum=2", "data.eval_fraction=0", "optim.lr=1e-2"])
+    cfg = load_config(
+        SFTConfig,
+        overrides=[
+            f"model.name_or_path={model_dir}",
+            f"data.path={data}",
+            "data.columns={prompt: question, completion: answer}",
+            "data.as_chat=true",
+            f"out={tmp_path / 'run'}",
+            "train.progress=false",
+            "train.max_steps=3",
+            "train.batch_size=2",
+            "train.grad_accum=2",
+            "data.eval_fraction=0",
+            "optim.lr=1e-2",
+        ],
+    )
     records = [r for r in _metrics(train_sft(cfg)) if "loss" in r]
     assert len(records) == 3
     for record in records:
@@ -89,10 +124,21 @@ def test_grpo_runs_on_a_tiny_moe_and_logs_router_metrics(tmp_path: Path) -> None
 
     tok = tokenizer()
     eos = sorted(getattr(tok, "eos_token_ids", []) or [2])[0]
-    cfg = load_config(GRPOConfig, None, [
-        f"out={tmp_path / 'grpo'}", f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
-        "data.eval_size=0", "log.progress=false", "train.max_steps=2", "kl.beta=0.05"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"out={tmp_path / 'grpo'}",
+            f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
+            "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_tokens=6",
+            "data.eval_size=0",
+            "log.progress=false",
+            "train.max_steps=2",
+            "kl.beta=0.05",
+        ],
+    )
     run_dir = train_grpo(cfg, model=tiny_moe(49152, eos=eos).eval(), tokenizer=tok)
     steps = [r for r in _metrics(run_dir) if "reward/mean" in r]
     assert len(steps) == 2

@@ -66,7 +66,7 @@ def test_packed_batch_equals_per_sequence(pair):
         start = 0
         for seq in seqs:
             alone_hf = hf(seq[None]).logits[0]
-            assert (out[start:start + len(seq)] - alone_hf).abs().max().item() <= TOL
+            assert (out[start : start + len(seq)] - alone_hf).abs().max().item() <= TOL
             start += len(seq)
 
 

@@ -24,8 +24,10 @@ def test_round_trip_both_ways(default_model_dir, tmp_path):
     with torch.no_grad():
         assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-5
     # peft -> ours: a second adapter made by peft on the same transformers model
-    reference.add_adapter("theirs", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                                                    task_type="CAUSAL_LM"))
+    reference.add_adapter(
+        "theirs",
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM"),
+    )
     randomize_peft(reference, seed=1, adapter="theirs")
     reference.set_adapter("theirs")
     reference.save_pretrained(tmp_path / "peft", selected_adapters=["theirs"])

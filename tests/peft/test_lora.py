@@ -32,7 +32,8 @@ from posttrain.peft import (
     trainable_parameters,
     unmerge_lora,
 )
-from tests.peft.lora_helpers import randomize_adapters, random_ids
+from tests.peft.lora_helpers import random_ids, randomize_adapters
+
 
 def test_untouched_lora_model_equals_base(llama):
     ids = random_ids((2, 11))
@@ -115,8 +116,15 @@ def test_gradients_reach_only_the_adapters(llama):
 
 def test_all_linear_targets_every_decoder_linear_not_lm_head(llama):
     apply_lora(llama, LoraConfig(target_modules="all-linear"))
-    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    parent = {
+        "q_proj": "self_attn",
+        "k_proj": "self_attn",
+        "v_proj": "self_attn",
+        "o_proj": "self_attn",
+        "gate_proj": "mlp",
+        "up_proj": "mlp",
+        "down_proj": "mlp",
+    }
     assert set(lora_layers(llama)) == {f"layers.{i}.{parent[leaf]}.{leaf}" for i in range(2) for leaf in parent}
     assert isinstance(llama.lm_head, nn.Linear) and not isinstance(llama.lm_head, LoRALinear)
 
@@ -128,20 +136,30 @@ def test_target_forms(llama):
     delete_adapter(llama, "full")
     assert not lora_layers(llama)
     apply_lora(llama, LoraConfig(target_modules=r"model\.layers\.1\..*_proj", exclude_modules=["o_proj"]), "re")
-    assert set(lora_layers(llama)) == {"layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
-                                       "layers.1.self_attn.v_proj", "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj",
-                                       "layers.1.mlp.down_proj"}
+    assert set(lora_layers(llama)) == {
+        "layers.1.self_attn.q_proj",
+        "layers.1.self_attn.k_proj",
+        "layers.1.self_attn.v_proj",
+        "layers.1.mlp.gate_proj",
+        "layers.1.mlp.up_proj",
+        "layers.1.mlp.down_proj",
+    }
     delete_adapter(llama, "re")
     apply_lora(llama, LoraConfig(target_modules=["lm_head"]))
     assert isinstance(llama.lm_head, LoRALinear)
 
 
 def test_target_that_matches_nothing_names_it_and_lists_linears(llama):
-    with pytest.raises(PosttrainError, match=r"'c_attn' matches no module.*q_proj, k_proj, v_proj, o_proj, "
-                                             r"gate_proj, up_proj, down_proj, lm_head"):
+    with pytest.raises(
+        PosttrainError,
+        match=r"'c_attn' matches no module.*q_proj, k_proj, v_proj, o_proj, "
+        r"gate_proj, up_proj, down_proj, lm_head",
+    ):
         apply_lora(llama, LoraConfig(target_modules=["q_proj", "c_attn"]))
     assert not lora_layers(llama)  # nothing changed
-    with pytest.raises(PosttrainError, match="target 'layers.0.input_layernorm' is a RMSNorm; LoRA applies to Linear layers only"):
+    with pytest.raises(
+        PosttrainError, match="target 'layers.0.input_layernorm' is a RMSNorm; LoRA applies to Linear layers only"
+    ):
         apply_lora(llama, LoraConfig(target_modules=["input_layernorm"]))
 
 
@@ -151,14 +169,17 @@ def test_tied_lm_head_is_refused(tiny_dirs):
         apply_lora(model, LoraConfig(target_modules=["q_proj", "lm_head"]))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("r", 0, "r must be a positive integer"),
-    ("alpha", -1.0, "alpha must be a positive number"),
-    ("dropout", 1.0, r"dropout must be in \[0, 1\)"),
-    ("target_modules", [], "target_modules must name at least one module"),
-    ("target_modules", "q_proj(", "not a valid regular expression"),
-    ("init", "pissa", "init must be one of kaiming, gaussian"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("r", 0, "r must be a positive integer"),
+        ("alpha", -1.0, "alpha must be a positive number"),
+        ("dropout", 1.0, r"dropout must be in \[0, 1\)"),
+        ("target_modules", [], "target_modules must name at least one module"),
+        ("target_modules", "q_proj(", "not a valid regular expression"),
+        ("init", "pissa", "init must be one of kaiming, gaussian"),
+    ],
+)
 def test_config_validation(llama, field, value, message):
     cfg = LoraConfig(**{field: value})
     with pytest.raises(ValueError, match=message):
@@ -174,10 +195,13 @@ class TrainerLikeConfig:
 
 def test_config_loads_as_an_optional_section():
     assert load_config(TrainerLikeConfig).lora is None
-    cfg = load_config(TrainerLikeConfig, overrides=["lora.r=8", "lora.target_modules=[q_proj,v_proj]",
-                                                    "lora.use_rslora=true"]).lora
+    cfg = load_config(
+        TrainerLikeConfig, overrides=["lora.r=8", "lora.target_modules=[q_proj,v_proj]", "lora.use_rslora=true"]
+    ).lora
     assert (cfg.r, cfg.alpha, cfg.target_modules, cfg.use_rslora) == (8, 32.0, ["q_proj", "v_proj"], True)
-    assert load_config(TrainerLikeConfig, overrides=["lora.target_modules=all-linear"]).lora.target_modules == "all-linear"
+    assert (
+        load_config(TrainerLikeConfig, overrides=["lora.target_modules=all-linear"]).lora.target_modules == "all-linear"
+    )
     with pytest.raises(ConfigError, match="lora: r must be a positive integer, got 0"):
         load_config(TrainerLikeConfig, overrides=["lora.r=0"])
 
@@ -240,7 +264,8 @@ def test_named_adapters_select_and_delete(llama):
     randomize_adapters(llama, "code", seed=2)
     assert adapter_names(llama) == ["math", "code"] and active_adapter(llama) == "code"
     assert [p.requires_grad for p in trainable_parameters(llama)] and all(
-        ".code." in n for n, p in llama.named_parameters() if p.requires_grad)
+        ".code." in n for n, p in llama.named_parameters() if p.requires_grad
+    )
     with torch.no_grad():
         code = llama(ids)
         set_adapter(llama, "math")
@@ -298,8 +323,10 @@ def test_paged_engine_path_matches_dense(llama):
     cfg = llama.config
     seqs = [random_ids((5,), seed=3), random_ids((3,), seed=4)]
     block_size, num_blocks = 4, 6
-    caches = [torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-              for _ in range(cfg.num_hidden_layers)]
+    caches = [
+        torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        for _ in range(cfg.num_hidden_layers)
+    ]
     meta = PagedAttentionMetadata(
         kv_caches=caches,
         slot_mapping=torch.tensor([4, 5, 6, 7, 8, 12, 13, 14]),  # seq 0 in blocks 1, 2; seq 1 in block 3

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 
 @pytest.fixture(scope="module")
 def peft_adapter(tiny_dirs, tmp_path_factory):
-    reference = peft.get_peft_model(hf_model(tiny_dirs["qwen2"]), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True, task_type="CAUSAL_LM"))
+    reference = peft.get_peft_model(
+        hf_model(tiny_dirs["qwen2"]),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True, task_type="CAUSAL_LM"),
+    )
     randomize_peft(reference)
     out = tmp_path_factory.mktemp("adapter")
     reference.save_pretrained(out)

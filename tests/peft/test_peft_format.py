@@ -17,10 +17,10 @@ from posttrain.peft import (
     apply_lora,
     load_peft_adapter,
     lora_layers,
+    peft_format,
     save_peft_adapter,
     set_adapter,
 )
-from posttrain.peft import peft_format
 from tests.peft.lora_helpers import hf_model, random_ids, randomize_adapters, randomize_peft
 
 peft = pytest.importorskip("peft", reason="peft is the oracle for the adapter format")
@@ -36,10 +36,16 @@ def max_diff(ours, reference, ids) -> float:
         return (ours(ids) - reference(ids).logits).abs().max().item()
 
 
-@pytest.mark.parametrize("family, cfg", [
-    ("llama", LoraConfig(r=4, alpha=8, target_modules="all-linear")),
-    ("qwen2", LoraConfig(r=8, alpha=4, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])),
-])
+@pytest.mark.parametrize(
+    "family, cfg",
+    [
+        ("llama", LoraConfig(r=4, alpha=8, target_modules="all-linear")),
+        (
+            "qwen2",
+            LoraConfig(r=8, alpha=4, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]),
+        ),
+    ],
+)
 def test_ours_to_peft_identical_logits(tiny_dirs, tmp_path, family, cfg):
     ours = apply_lora(load_hf_dir(tiny_dirs[family]).eval(), cfg)
     randomize_adapters(ours)
@@ -58,21 +64,41 @@ def test_ours_to_peft_identical_logits(tiny_dirs, tmp_path, family, cfg):
 
 def test_ours_to_peft_partial_targets_write_full_names(tiny_dirs, tmp_path):
     """Layer 1's q_proj and the (untied) lm_head only: leaf names would select more, so full names are written."""
-    ours = apply_lora(load_hf_dir(tiny_dirs["llama"]).eval(),
-                      LoraConfig(r=2, alpha=2, target_modules=["layers.1.self_attn.q_proj", "lm_head"]))
+    ours = apply_lora(
+        load_hf_dir(tiny_dirs["llama"]).eval(),
+        LoraConfig(r=2, alpha=2, target_modules=["layers.1.self_attn.q_proj", "lm_head"]),
+    )
     randomize_adapters(ours)
     out = save_peft_adapter(ours, tmp_path / "adapter", "tiny-llama")
     assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == [
-        "lm_head", "model.layers.1.self_attn.q_proj"]
+        "lm_head",
+        "model.layers.1.self_attn.q_proj",
+    ]
     reference = peft.PeftModel.from_pretrained(hf_model(tiny_dirs["llama"]), out).eval()
     assert max_diff(ours, reference, random_ids((1, 9))) <= TOL
 
 
-@pytest.mark.parametrize("family, kwargs", [
-    ("llama", dict(r=4, lora_alpha=16, target_modules="all-linear", use_rslora=True, lora_dropout=0.1,
-                   rank_pattern={"down_proj": 2}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3})),
-    ("qwen2", dict(r=6, lora_alpha=12, target_modules=["q_proj", "v_proj", "up_proj"], exclude_modules=r".*\.1\.mlp\..*")),
-])
+@pytest.mark.parametrize(
+    "family, kwargs",
+    [
+        (
+            "llama",
+            dict(
+                r=4,
+                lora_alpha=16,
+                target_modules="all-linear",
+                use_rslora=True,
+                lora_dropout=0.1,
+                rank_pattern={"down_proj": 2},
+                alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3},
+            ),
+        ),
+        (
+            "qwen2",
+            dict(r=6, lora_alpha=12, target_modules=["q_proj", "v_proj", "up_proj"], exclude_modules=r".*\.1\.mlp\..*"),
+        ),
+    ],
+)
 def test_peft_to_ours_identical_logits(tiny_dirs, tmp_path, family, kwargs):
     reference = peft.get_peft_model(hf_model(tiny_dirs[family]), peft.LoraConfig(task_type="CAUSAL_LM", **kwargs))
     randomize_peft(reference)
@@ -81,8 +107,11 @@ def test_peft_to_ours_identical_logits(tiny_dirs, tmp_path, family, kwargs):
     ours = load_peft_adapter(load_hf_dir(tiny_dirs[family]).eval(), tmp_path / "adapter")
     ids = random_ids((2, 13))
     assert max_diff(ours, reference, ids) <= TOL
-    expected = {n.removeprefix("base_model.model.model.").removesuffix(".base_layer")
-                for n, m in reference.named_modules() if n.endswith("base_layer")}
+    expected = {
+        n.removeprefix("base_model.model.model.").removesuffix(".base_layer")
+        for n, m in reference.named_modules()
+        if n.endswith("base_layer")
+    }
     assert set(lora_layers(ours)) == expected
     assert all(not p.requires_grad for p in ours.parameters())  # loaded for inference unless trainable=True
     # ... and back again: what we write from a peft-loaded adapter (with its patterns) peft reads the same
@@ -159,25 +188,32 @@ def expect_refusal(tiny_dirs, directory, pattern):
     assert not lora_layers(model)  # nothing was changed
 
 
-@pytest.mark.parametrize("changes, pattern", [
-    (dict(use_dora=True), "use_dora=true asks for DoRA, which is not supported"),
-    (dict(bias="all"), 'bias="all" trains base-layer biases'),
-    (dict(modules_to_save=["lm_head"]), r'modules_to_save=\["lm_head"\] asks for extra modules trained in full'),
-    (dict(layers_to_transform=[0]), r"layers_to_transform=\[0\] asks for a subset of layers"),
-    (dict(layers_to_transform=0), "layers_to_transform=0 asks for a subset of layers"),
-    (dict(lora_bias=True), "lora_bias=true asks for a bias on lora_B"),
-    (dict(init_lora_weights="pissa"), 'init_lora_weights="pissa" changes the base weights'),
-    (dict(peft_type="IA3"), 'peft_type="IA3" is not supported'),
-    (dict(task_type="SEQ_CLS"), 'task_type="SEQ_CLS" is not supported'),
-    (dict(shiny_new_option={"on": 1}), "shiny_new_option=.* is an option this loader does not know"),
-    (dict(r=0), "r=0 must be a positive integer"),
-    (dict(target_modules=["q_proj", "c_attn"]), "target_modules entry 'c_attn' matches no module of the model"),
-    (dict(target_modules=["q_proj", "v_proj", "k_proj"]),
-     "missing tensor 'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight'"),
-    (dict(target_modules=["q_proj"]), "tensors for module 'model.layers.0.self_attn.v_proj', which the config's "
-                                      "target_modules does not select"),
-    (dict(r=8), rf"tensor '{Q_A}' has shape \(4, 64\), expected \(8, 64\)"),
-])
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        (dict(use_dora=True), "use_dora=true asks for DoRA, which is not supported"),
+        (dict(bias="all"), 'bias="all" trains base-layer biases'),
+        (dict(modules_to_save=["lm_head"]), r'modules_to_save=\["lm_head"\] asks for extra modules trained in full'),
+        (dict(layers_to_transform=[0]), r"layers_to_transform=\[0\] asks for a subset of layers"),
+        (dict(layers_to_transform=0), "layers_to_transform=0 asks for a subset of layers"),
+        (dict(lora_bias=True), "lora_bias=true asks for a bias on lora_B"),
+        (dict(init_lora_weights="pissa"), 'init_lora_weights="pissa" changes the base weights'),
+        (dict(peft_type="IA3"), 'peft_type="IA3" is not supported'),
+        (dict(task_type="SEQ_CLS"), 'task_type="SEQ_CLS" is not supported'),
+        (dict(shiny_new_option={"on": 1}), "shiny_new_option=.* is an option this loader does not know"),
+        (dict(r=0), "r=0 must be a positive integer"),
+        (dict(target_modules=["q_proj", "c_attn"]), "target_modules entry 'c_attn' matches no module of the model"),
+        (
+            dict(target_modules=["q_proj", "v_proj", "k_proj"]),
+            "missing tensor 'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight'",
+        ),
+        (
+            dict(target_modules=["q_proj"]),
+            "tensors for module 'model.layers.0.self_attn.v_proj', which the config's target_modules does not select",
+        ),
+        (dict(r=8), rf"tensor '{Q_A}' has shape \(4, 64\), expected \(8, 64\)"),
+    ],
+)
 def test_bad_config(tiny_dirs, bad, changes, pattern):
     edit_config(bad, **changes)
     expect_refusal(tiny_dirs, bad, r"adapter_config.json: " + pattern if "tensor" not in pattern else pattern)
@@ -185,15 +221,20 @@ def test_bad_config(tiny_dirs, bad, changes, pattern):
 
 def test_wrong_shape_names_the_tensor(tiny_dirs, bad):
     edit_tensors(bad, lambda t: t.update({Q_A: torch.zeros(4, 32)}))
-    expect_refusal(tiny_dirs, bad, rf"adapter_model.safetensors: tensor '{Q_A}' has shape \(4, 32\), "
-                                   r"expected \(4, 64\)")
+    expect_refusal(
+        tiny_dirs,
+        bad,
+        rf"adapter_model.safetensors: tensor '{Q_A}' has shape \(4, 32\), "
+        r"expected \(4, 64\)",
+    )
 
 
 def test_module_the_model_lacks(tiny_dirs, bad):
     key = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"
     edit_tensors(bad, lambda t: t.update({key: torch.zeros(4, 64)}))
-    expect_refusal(tiny_dirs, bad, f"tensor '{key}' is for module 'model.layers.7.self_attn.q_proj', "
-                                   "which the model does not have")
+    expect_refusal(
+        tiny_dirs, bad, f"tensor '{key}' is for module 'model.layers.7.self_attn.q_proj', which the model does not have"
+    )
 
 
 def test_unexpected_tensor_kind(tiny_dirs, bad):

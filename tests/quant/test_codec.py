@@ -21,8 +21,17 @@ def round_trip(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def test_registry_names_and_fields():
-    assert list(SCHEMES) == ["int8", "int8-asym", "w8a8", "int4-g32", "int4-g32-asym", "int4-g64", "int4-g64-asym",
-                             "int4-g128", "int4-g128-asym"]
+    assert list(SCHEMES) == [
+        "int8",
+        "int8-asym",
+        "w8a8",
+        "int4-g32",
+        "int4-g32-asym",
+        "int4-g64",
+        "int4-g64-asym",
+        "int4-g128",
+        "int4-g128-asym",
+    ]
     s = get_scheme("int4-g128-asym")
     assert (s.bits, s.group_size, s.symmetric, s.q_min, s.q_max) == (4, 128, False, -8, 7)
     assert (get_scheme("int8").q_min, get_scheme("int8").q_max) == (-128, 127)
@@ -30,14 +39,17 @@ def test_registry_names_and_fields():
     assert get_scheme(s) is s
 
 
-@pytest.mark.parametrize("make, problem", [
-    (lambda: get_scheme("int3"), "unknown quantization scheme 'int3' (choose from int8, int8-asym"),
-    (lambda: QuantScheme("x", 3, None, True), "bits=3"),
-    (lambda: QuantScheme("x", 4, 1, True), "group_size=1 must be an integer >= 2"),
-    (lambda: QuantScheme("x", 4, True, True), "group_size=True"),
-    (lambda: QuantScheme("x", 4, 32, True, activation_bits=8), "int8 activations need symmetric per-channel int8"),
-    (lambda: QuantScheme("x", 8, None, True, activation_bits=4), "activation_bits=4"),
-])
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda: get_scheme("int3"), "unknown quantization scheme 'int3' (choose from int8, int8-asym"),
+        (lambda: QuantScheme("x", 3, None, True), "bits=3"),
+        (lambda: QuantScheme("x", 4, 1, True), "group_size=1 must be an integer >= 2"),
+        (lambda: QuantScheme("x", 4, True, True), "group_size=True"),
+        (lambda: QuantScheme("x", 4, 32, True, activation_bits=8), "int8 activations need symmetric per-channel int8"),
+        (lambda: QuantScheme("x", 8, None, True, activation_bits=4), "activation_bits=4"),
+    ],
+)
 def test_bad_schemes(make, problem):
     with pytest.raises(PosttrainError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         make()

@@ -147,10 +147,15 @@ def test_true_sequential_stages_follow_the_forward():
     cos, sin = model.rotary(positions)
     from posttrain.models.attention import DenseAttentionMetadata
 
-    stages = _stages(linears, lambda collector: layer(torch.randn(2, 8, 64), cos, sin,
-                                                      DenseAttentionMetadata(None, positions)))
-    assert stages == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-                      ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    stages = _stages(
+        linears, lambda collector: layer(torch.randn(2, 8, 64), cos, sin, DenseAttentionMetadata(None, positions))
+    )
+    assert stages == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ]
     calibration = torch.randint(3, 128, (4, 16))
     one_pass, staged = tiny_model(), tiny_model()
     gptq_quantize_model(one_pass, "int8", calibration, true_sequential=False)

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.errors import PosttrainError
-from posttrain.quant import SCHEMES, QuantizedLinear, dequantize_model, get_scheme, quantize_model, set_compute
-from posttrain.quant import linear
+from posttrain.quant import SCHEMES, QuantizedLinear, dequantize_model, get_scheme, linear, quantize_model, set_compute
 from posttrain.quant.linear import cpu_int4_layout_matches, int_mm_is_exact
 from tests.quant.tiny import tiny_model
 
@@ -32,7 +31,7 @@ def gaussian_linear(in_features: int, out_features: int, bias: bool = False, see
     torch.manual_seed(seed)
     layer = nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
-        layer.weight.normal_(0, in_features ** -0.5)
+        layer.weight.normal_(0, in_features**-0.5)
         if bias:
             layer.bias.normal_()
     return layer
@@ -110,8 +109,13 @@ def test_kernels_on_a_cpu_without_avx512_or_vnni():
     """On an AVX2-only CPU every scheme still computes what its reference kernel does: int4 falls back (torch's
     AVX2 packing is not our layout), W8A8 too where `_int_mm` saturates, and the bf16 kernels stay within bf16's
     rounding. This machine's own kernels are the other tests'; here torch and oneDNN are held to AVX2."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
     done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout)
@@ -167,7 +171,9 @@ def test_usable_as_the_frozen_base_of_lora():
     lora(x).sum().backward()
     assert lora.lora_A["default"].weight.grad is not None and lora.lora_B["default"].weight.grad is not None
     assert x.grad is not None and [n for n, p in lora.named_parameters() if p.requires_grad] == [
-        "lora_A.default.weight", "lora_B.default.weight"]
+        "lora_A.default.weight",
+        "lora_B.default.weight",
+    ]
 
 
 def test_casting_the_model_keeps_scales_exact(model):
@@ -192,9 +198,19 @@ def test_bad_input_width_and_compute_mode():
 
 # ---- whole models -----------------------------------------------------------------------------------------------
 
-DECODER_LINEARS = {f"layers.{i}.{m}" for i in range(2) for m in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+DECODER_LINEARS = {
+    f"layers.{i}.{m}"
+    for i in range(2)
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+}
 
 
 @pytest.mark.parametrize("name", ["int8", "int4-g32", "w8a8"])

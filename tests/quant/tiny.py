@@ -6,18 +6,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Regex
+from tokenizers import Regex, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers, processors
 
 from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
 from posttrain.tokenizer import Tokenizer
 
-TINY = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    model_type="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def tiny_model(seed: int = 0, **overrides) -> Transformer:

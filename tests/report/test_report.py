@@ -27,22 +27,49 @@ def _rl_run(run_dir: Path, steps: int = 30) -> Path:
         log.log(0, {"eval/accuracy": 0.1, "eval/reward_mean": 0.1, "eval/response_len_mean": 17.0})
         for step in range(1, steps + 1):
             reward = min(1.0, step / steps + rng.uniform(-0.2, 0.2))
-            log.log(step, {
-                "reward/mean": reward, "reward/std": 0.3, "reward/numeric_match/mean": reward,
-                "reward/numeric_match/std": 0.3, "response_len/mean": 20 - step / 3, "response_len/max": 24.0,
-                "response_len/clipped_frac": 0.5, "clip_frac/low": 0.0, "clip_frac/high": 0.01, "kl": 0.01 * step,
-                "entropy": 1.5 - step / 40, "loss/policy": rng.gauss(0, 1e-3), "grad_norm": 1 + rng.random(),
-                "lr": 3e-5, "time/rollout_s": 6.0, "time/reward_s": 0.01, "time/update_s": 11.0,
-                "time/step_s": 17.5, "memory/peak_rss_gb": 6.4, "tokens/train_per_s": 140.0,
-                "approx_kl": math.nan if step == 3 else 0.0, "reward/error": "ValueError: bad" if step == 2 else None,
-            })
+            log.log(
+                step,
+                {
+                    "reward/mean": reward,
+                    "reward/std": 0.3,
+                    "reward/numeric_match/mean": reward,
+                    "reward/numeric_match/std": 0.3,
+                    "response_len/mean": 20 - step / 3,
+                    "response_len/max": 24.0,
+                    "response_len/clipped_frac": 0.5,
+                    "clip_frac/low": 0.0,
+                    "clip_frac/high": 0.01,
+                    "kl": 0.01 * step,
+                    "entropy": 1.5 - step / 40,
+                    "loss/policy": rng.gauss(0, 1e-3),
+                    "grad_norm": 1 + rng.random(),
+                    "lr": 3e-5,
+                    "time/rollout_s": 6.0,
+                    "time/reward_s": 0.01,
+                    "time/update_s": 11.0,
+                    "time/step_s": 17.5,
+                    "memory/peak_rss_gb": 6.4,
+                    "tokens/train_per_s": 140.0,
+                    "approx_kl": math.nan if step == 3 else 0.0,
+                    "reward/error": "ValueError: bad" if step == 2 else None,
+                },
+            )
         log.log(steps, {"eval/accuracy": 0.6, "eval/reward_mean": 0.6, "eval/response_len_mean": 12.0})
     for step in (0, steps):
         with open(run_dir / f"eval-step{step:05d}.jsonl", "w") as f:
             for i in range(3):
                 prompt = [{"role": "user", "content": f"What is {i} + {i}? <b>"}]
-                f.write(json.dumps({"prompt": prompt, "completion": f"{2 * i if step else i}", "reward": float(step > 0),
-                                    "answer": str(2 * i)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "completion": f"{2 * i if step else i}",
+                            "reward": float(step > 0),
+                            "answer": str(2 * i),
+                        }
+                    )
+                    + "\n"
+                )
     return run_dir
 
 
@@ -52,8 +79,18 @@ def test_renders_html_and_pngs_from_an_rl_run(tmp_path: Path) -> None:
     assert page_path == run_dir / "report.html"
     page = page_path.read_text()
     pngs = {p.stem for p in (run_dir / "plots").glob("*.png")}
-    assert {"reward", "loss", "kl", "entropy", "response_length", "clipping", "accuracy", "optimization",
-            "memory", "step_time"} <= pngs
+    assert {
+        "reward",
+        "loss",
+        "kl",
+        "entropy",
+        "response_length",
+        "clipping",
+        "accuracy",
+        "optimization",
+        "memory",
+        "step_time",
+    } <= pngs
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in (run_dir / "plots").glob("*.png"))
     assert page.count("data:image/png;base64,") == len(pngs)  # self-contained: every plot inlined
     assert "algorithm: grpo" in page  # the config
@@ -67,12 +104,19 @@ def test_headline_best_respects_direction(tmp_path: Path) -> None:
     from posttrain.report.html import headline_rows
     from posttrain.report.plots import PANELS
 
-    series = collect_series([{"step": 1, "loss": 3.0, "reward/mean": 0.1}, {"step": 2, "loss": 1.0, "reward/mean": 0.9},
-                             {"step": 3, "loss": 2.0, "reward/mean": 0.5}])
+    series = collect_series(
+        [
+            {"step": 1, "loss": 3.0, "reward/mean": 0.1},
+            {"step": 2, "loss": 1.0, "reward/mean": 0.9},
+            {"step": 3, "loss": 2.0, "reward/mean": 0.5},
+        ]
+    )
     loss_panel = next(p for p in PANELS if p.name == "loss")
     reward_panel = next(p for p in PANELS if p.name == "reward")
-    rows = {r["key"]: r for r in headline_rows([(loss_panel, tmp_path, ["loss"]),
-                                                 (reward_panel, tmp_path, ["reward/mean"])], series)}
+    rows = {
+        r["key"]: r
+        for r in headline_rows([(loss_panel, tmp_path, ["loss"]), (reward_panel, tmp_path, ["reward/mean"])], series)
+    }
     assert rows["loss"]["best"] == (1.0, 2) and rows["loss"]["first"] == 3.0 and rows["loss"]["last"] == 2.0
     assert rows["reward/mean"]["best"] == (0.9, 2)
 
@@ -136,11 +180,14 @@ def test_empty_metrics_renders_a_page(tmp_path: Path) -> None:
     assert "no metrics records yet" in render_report(run_dir).read_text()
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"step": 1, "loss": 1.0}\nnot json\n{"step": 3}\n', "metrics.jsonl:2: not a JSON record"),
-    ('[1, 2]\n', "metrics.jsonl:1: expected a JSON object"),
-    ('{"loss": 1.0}\n', "metrics.jsonl:1: 'step' must be an integer"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"step": 1, "loss": 1.0}\nnot json\n{"step": 3}\n', "metrics.jsonl:2: not a JSON record"),
+        ("[1, 2]\n", "metrics.jsonl:1: expected a JSON object"),
+        ('{"loss": 1.0}\n', "metrics.jsonl:1: 'step' must be an integer"),
+    ],
+)
 def test_malformed_metrics_name_file_and_line(tmp_path: Path, content: str, message: str) -> None:
     run_dir = tmp_path / "bad"
     run_dir.mkdir()

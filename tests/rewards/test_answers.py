@@ -8,31 +8,43 @@ from posttrain.rewards import answers
 from posttrain.rewards.answers import boxed, gsm8k, last_boxed, last_number, numeric_match, parse_number
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("47 + 38 = 85", "85"),
-    ("The answer is 85.", "85"),
-    ("It costs $1,234 in total", "1234"),
-    ("Total: 1,234,567.", "1234567"),
-    ("The temperature is -12 degrees", "-12"),
-    ("x = \u22125", "-5"),  # unicode minus
-    ("about 3.14 or so", "3.14"),
-    ("it is -$4.50", "-4.50"),
-    ("**85**", "85"),
-    ("47-38 leaves 9", "9"),  # a minus between numbers is subtraction, not a sign
-    ("1, 2, 3", "3"),  # a list, not a thousands separator
-    ("1,2345", "2345"),  # not a valid thousands group: two numbers
-    ("H2O and v1.2 only", None),  # digits inside words are not numbers
-    ("no number here", None),
-    ("", None),
-    ("85th place, then 0.5", "0.5"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("47 + 38 = 85", "85"),
+        ("The answer is 85.", "85"),
+        ("It costs $1,234 in total", "1234"),
+        ("Total: 1,234,567.", "1234567"),
+        ("The temperature is -12 degrees", "-12"),
+        ("x = \u22125", "-5"),  # unicode minus
+        ("about 3.14 or so", "3.14"),
+        ("it is -$4.50", "-4.50"),
+        ("**85**", "85"),
+        ("47-38 leaves 9", "9"),  # a minus between numbers is subtraction, not a sign
+        ("1, 2, 3", "3"),  # a list, not a thousands separator
+        ("1,2345", "2345"),  # not a valid thousands group: two numbers
+        ("H2O and v1.2 only", None),  # digits inside words are not numbers
+        ("no number here", None),
+        ("", None),
+        ("85th place, then 0.5", "0.5"),
+    ],
+)
 def test_last_number(text, expected):
     assert last_number(text) == (None if expected is None else Decimal(expected))
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("85", "85"), (" $1,234 ", "1234"), ("-7.", "-7"), ("0.50", "0.5"), ("85 apples", None), ("1/2", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("85", "85"),
+        (" $1,234 ", "1234"),
+        ("-7.", "-7"),
+        ("0.50", "0.5"),
+        ("85 apples", None),
+        ("1/2", None),
+        ("", None),
+    ],
+)
 def test_parse_number_is_strict(text, expected):
     assert parse_number(text) == (None if expected is None else Decimal(expected))
 
@@ -52,8 +64,10 @@ def test_numeric_match_non_numeric_reference_is_unscorable_and_wrong_type_raises
 
 
 def test_numeric_match_conversational_completions():
-    completions = [[{"role": "assistant", "content": "The answer is 85."}],
-                   [{"role": "assistant", "content": [{"type": "text", "text": "It is 86"}]}]]
+    completions = [
+        [{"role": "assistant", "content": "The answer is 85."}],
+        [{"role": "assistant", "content": [{"type": "text", "text": "It is 86"}]}],
+    ]
     prompts = [[{"role": "user", "content": "What is 47 plus 38?"}]] * 2
     assert numeric_match(prompts, completions, answer=["85", "85"]) == [1.0, 0.0]
 

@@ -16,6 +16,7 @@ COMPLETIONS = ["1", "2", "3"]
 def const(values):
     def fn(prompts, completions, **kwargs):
         return list(values)
+
     return fn
 
 
@@ -105,8 +106,12 @@ def test_async_functions_run_concurrently():
     async def failing(prompts, completions, **kwargs):
         raise ValueError("bad batch")
 
-    specs = [RewardSpec("first", first), RewardSpec("sync", const([0.0, 0.0, 1.0])), RewardSpec("second", second),
-             RewardSpec("failing", failing, 0.0)]
+    specs = [
+        RewardSpec("first", first),
+        RewardSpec("sync", const([0.0, 0.0, 1.0])),
+        RewardSpec("second", second),
+        RewardSpec("failing", failing, 0.0),
+    ]
     result = compute_rewards(specs, PROMPTS, COMPLETIONS)
     nan_equal(result.total, [3.0, 3.0, 4.0])
     nan_equal(result.per_function["failing"], [float("nan")] * 3)
@@ -132,8 +137,9 @@ def test_columns_reach_functions_and_trl_style_signatures_work():
         return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
 
     columns = {"answer": ["1", "5", "3"], "completion_ids": [[1], [2, 2], [3]]}
-    result = compute_rewards([RewardSpec("trl", trl_style), RewardSpec("match", numeric_match)], PROMPTS, COMPLETIONS,
-                             columns)
+    result = compute_rewards(
+        [RewardSpec("trl", trl_style), RewardSpec("match", numeric_match)], PROMPTS, COMPLETIONS, columns
+    )
     nan_equal(result.total, [2.0, 0.0, 2.0])
     assert seen["prompts"] == PROMPTS and seen["completion_ids"] == [[1], [2, 2], [3]]
 
@@ -145,20 +151,25 @@ def test_conversational_batch():
     nan_equal(result.total, [1.0, 0.0])
 
 
-@pytest.mark.parametrize("returned, message", [
-    ([1.0, 2.0], r"reward 'bad' returned 2 values for a batch of 3"),
-    (1.0, r"reward 'bad' returned a float; expected a list of 3 floats"),
-    ([1.0, "2", 3.0], r"reward 'bad' returned a str at index 1"),
-    ([1.0, float("inf"), 3.0], r"reward 'bad' returned inf at index 1; rewards must be finite"),
-])
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0, 2.0], r"reward 'bad' returned 2 values for a batch of 3"),
+        (1.0, r"reward 'bad' returned a float; expected a list of 3 floats"),
+        ([1.0, "2", 3.0], r"reward 'bad' returned a str at index 1"),
+        ([1.0, float("inf"), 3.0], r"reward 'bad' returned inf at index 1; rewards must be finite"),
+    ],
+)
 def test_bad_return_values_name_the_function(returned, message):
     with pytest.raises(RewardError, match=message):
         compute_rewards([RewardSpec("bad", lambda prompts, completions, **kw: returned)], PROMPTS, COMPLETIONS)
 
 
 def test_tensor_and_scalar_tensor_returns_are_accepted():
-    specs = [RewardSpec("t", lambda prompts, completions, **kw: torch.tensor([1.0, 2.0, 3.0])),
-             RewardSpec("s", lambda prompts, completions, **kw: [torch.tensor(1.0), None, 0])]
+    specs = [
+        RewardSpec("t", lambda prompts, completions, **kw: torch.tensor([1.0, 2.0, 3.0])),
+        RewardSpec("s", lambda prompts, completions, **kw: [torch.tensor(1.0), None, 0]),
+    ]
     nan_equal(compute_rewards(specs, PROMPTS, COMPLETIONS).total, [2.0, float("nan"), 3.0])
 
 
@@ -173,34 +184,48 @@ def test_bad_signature_fails_before_any_function_runs():
         return [1.0] * len(completions)
 
     specs = [RewardSpec("counted", counted), RewardSpec("needs_solution", needs_solution)]
-    with pytest.raises(RewardError, match=r"reward 'needs_solution' .* required parameter 'solution' is not one of "
-                                          r"the arguments it gets \(prompts, completions, answer\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'needs_solution' .* required parameter 'solution' is not one of "
+        r"the arguments it gets \(prompts, completions, answer\)",
+    ):
         compute_rewards(specs, PROMPTS, COMPLETIONS, {"answer": ["1", "2", "3"]})
     assert calls == []
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"prompts": ["a"]}, "1 prompts but 3 completions"),
-    ({"columns": {"answer": ["1"]}}, "column 'answer' has 1 values for a batch of 3"),
-    ({"columns": {"answer": "123"}}, "column 'answer' must be a list aligned with the batch"),
-    ({"columns": {"prompts": [1, 2, 3]}}, "column 'prompts' clashes"),
-    ({"specs": []}, "no reward functions given"),
-    ({"specs": [RewardSpec("a", const([1, 1, 1])), RewardSpec("a", const([1, 1, 1]))]}, "repeated: a"),
-    ({"specs": [RewardSpec("a", const([1, 1, 1]), 0.0)]}, "every reward has weight 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompts": ["a"]}, "1 prompts but 3 completions"),
+        ({"columns": {"answer": ["1"]}}, "column 'answer' has 1 values for a batch of 3"),
+        ({"columns": {"answer": "123"}}, "column 'answer' must be a list aligned with the batch"),
+        ({"columns": {"prompts": [1, 2, 3]}}, "column 'prompts' clashes"),
+        ({"specs": []}, "no reward functions given"),
+        ({"specs": [RewardSpec("a", const([1, 1, 1])), RewardSpec("a", const([1, 1, 1]))]}, "repeated: a"),
+        ({"specs": [RewardSpec("a", const([1, 1, 1]), 0.0)]}, "every reward has weight 0"),
+    ],
+)
 def test_batch_validation(kwargs, message):
-    call = {"specs": [RewardSpec("a", const([1, 1, 1]))], "prompts": PROMPTS, "completions": COMPLETIONS,
-            "columns": {}, **kwargs}
+    call = {
+        "specs": [RewardSpec("a", const([1, 1, 1]))],
+        "prompts": PROMPTS,
+        "completions": COMPLETIONS,
+        "columns": {},
+        **kwargs,
+    }
     with pytest.raises(RewardError, match=message):
         compute_rewards(**call)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"name": "", "fn": len}, "name must be a non-empty string"),
-    ({"name": "x", "fn": 3}, "fn is a int, not callable"),
-    ({"name": "x", "fn": len, "weight": float("nan")}, "weight must be a finite number"),
-    ({"name": "x", "fn": len, "weight": "1"}, "weight must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"name": "", "fn": len}, "name must be a non-empty string"),
+        ({"name": "x", "fn": 3}, "fn is a int, not callable"),
+        ({"name": "x", "fn": len, "weight": float("nan")}, "weight must be a finite number"),
+        ({"name": "x", "fn": len, "weight": "1"}, "weight must be a finite number"),
+    ],
+)
 def test_reward_spec_validation(kwargs, message):
     with pytest.raises(RewardError, match=message):
         RewardSpec(**kwargs)

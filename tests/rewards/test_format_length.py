@@ -21,8 +21,10 @@ def test_format_fullmatch_and_search():
 
 
 def test_format_conversational():
-    completions = [[{"role": "assistant", "content": "<think>a</think><answer>1</answer>"}],
-                   [{"role": "assistant", "content": "1"}]]
+    completions = [
+        [{"role": "assistant", "content": "<think>a</think><answer>1</answer>"}],
+        [{"role": "assistant", "content": "1"}],
+    ]
     assert format_reward(THINK)([[{"role": "user", "content": "q"}]] * 2, completions) == [1.0, 0.0]
 
 
@@ -54,12 +56,15 @@ def test_length_penalty_is_linear_and_capped():
     assert fn([""] * 4, ["x"] * 4, completion_ids=ids) == pytest.approx([0.0, -1.0, -2.0, -2.0])
 
 
-@pytest.mark.parametrize("factory, kwargs, message", [
-    (overlong_penalty, {"max_len": 10, "cache_len": 11}, "need cache_len <= max_len"),
-    (overlong_penalty, {"max_len": 0, "cache_len": 0}, "max_len must be a positive integer"),
-    (length_penalty, {"max_len": 2.5}, "max_len must be a positive integer"),
-    (length_penalty, {"max_len": 8, "penalty_factor": float("nan")}, "penalty_factor must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "factory, kwargs, message",
+    [
+        (overlong_penalty, {"max_len": 10, "cache_len": 11}, "need cache_len <= max_len"),
+        (overlong_penalty, {"max_len": 0, "cache_len": 0}, "max_len must be a positive integer"),
+        (length_penalty, {"max_len": 2.5}, "max_len must be a positive integer"),
+        (length_penalty, {"max_len": 8, "penalty_factor": float("nan")}, "penalty_factor must be a finite number"),
+    ],
+)
 def test_length_factory_validation(factory, kwargs, message):
     with pytest.raises(RewardError, match=message):
         factory(**kwargs)

@@ -27,18 +27,21 @@ def test_factory_specs():
     assert length([""], ["x"], completion_ids=[[0] * 2]) == [pytest.approx(-0.25)]
 
 
-@pytest.mark.parametrize("spec, options, message", [
-    ("exact_match", {}, r"unknown reward 'exact_match': use a built-in \(numeric_match, gsm8k, boxed, format"),
-    ("", {}, "non-empty string"),
-    ("numeric_match:x", {}, "'numeric_match' takes nothing after ':'"),
-    ("numeric_match", {"strict": True}, "takes no options, got strict"),
-    ("format", {}, r"'format' needs an argument \(usage: format:<regex>\)"),
-    ("format:(", {}, "invalid regular expression"),
-    ("overlong_penalty:max_len=10", {}, r"reward 'overlong_penalty'.*cache_len.*usage: overlong_penalty:max_len="),
-    ("overlong_penalty:max_len=10,cache_len=2,bogus=1", {}, "unexpected keyword argument 'bogus'"),
-    ("length_penalty:max_len", {}, "option 'max_len' is not key=value"),
-    ("reward_model:/no/such/dir", {}, "reward model directory not found"),
-])
+@pytest.mark.parametrize(
+    "spec, options, message",
+    [
+        ("exact_match", {}, r"unknown reward 'exact_match': use a built-in \(numeric_match, gsm8k, boxed, format"),
+        ("", {}, "non-empty string"),
+        ("numeric_match:x", {}, "'numeric_match' takes nothing after ':'"),
+        ("numeric_match", {"strict": True}, "takes no options, got strict"),
+        ("format", {}, r"'format' needs an argument \(usage: format:<regex>\)"),
+        ("format:(", {}, "invalid regular expression"),
+        ("overlong_penalty:max_len=10", {}, r"reward 'overlong_penalty'.*cache_len.*usage: overlong_penalty:max_len="),
+        ("overlong_penalty:max_len=10,cache_len=2,bogus=1", {}, "unexpected keyword argument 'bogus'"),
+        ("length_penalty:max_len", {}, "option 'max_len' is not key=value"),
+        ("reward_model:/no/such/dir", {}, "reward model directory not found"),
+    ],
+)
 def test_builtin_spec_errors(spec, options, message):
     with pytest.raises(RewardError, match=message):
         load_reward(spec, **options)
@@ -51,7 +54,10 @@ def write(tmp_path, name, source):
 
 
 def test_load_from_file(tmp_path):
-    path = write(tmp_path, "my_rewards.py", """
+    path = write(
+        tmp_path,
+        "my_rewards.py",
+        """
         from dataclasses import dataclass
 
         @dataclass
@@ -65,7 +71,8 @@ def test_load_from_file(tmp_path):
             return [1.0] * len(completions)
 
         THRESHOLD = 3
-    """)
+    """,
+    )
     fn = load_reward(f"{path}:shouty")
     assert fn(["", ""], ["HI", "hi"]) == [0.5, 0.0]
     assert load_reward(f"{path}:shouty") is fn  # the file is imported once
@@ -73,7 +80,10 @@ def test_load_from_file(tmp_path):
 
 
 def test_load_from_file_errors(tmp_path):
-    path = write(tmp_path, "rw.py", """
+    path = write(
+        tmp_path,
+        "rw.py",
+        """
         def good(prompts, completions, **kwargs):
             return [0.0] * len(completions)
 
@@ -81,7 +91,8 @@ def test_load_from_file_errors(tmp_path):
             return []
 
         THRESHOLD = 3
-    """)
+    """,
+    )
     with pytest.raises(RewardError, match=r"reward file .*missing\.py not found"):
         load_reward(f"{tmp_path}/missing.py:good")
     with pytest.raises(RewardError, match=r"rw\.py: no function 'nope' \(it defines: good, no_kwargs\)"):
@@ -98,30 +109,43 @@ def test_load_from_file_errors(tmp_path):
 
 
 def test_load_time_signature_check(tmp_path):
-    path = write(tmp_path, "sigs.py", """
+    path = write(
+        tmp_path,
+        "sigs.py",
+        """
         def one_arg(completions):
             return [0.0] * len(completions)
 
         def positional_only(prompts, completions, /, **kwargs):
             return [0.0] * len(completions)
-    """)
-    with pytest.raises(RewardError, match=r"reward '.*:one_arg' \(.*one_arg .*sigs\.py:2\)\) cannot be called as "
-                                          r"fn\(prompts, completions, \*\*columns\): it has no \*\*kwargs and no "
-                                          r"parameter for 'prompts'"):
+    """,
+    )
+    with pytest.raises(
+        RewardError,
+        match=r"reward '.*:one_arg' \(.*one_arg .*sigs\.py:2\)\) cannot be called as "
+        r"fn\(prompts, completions, \*\*columns\): it has no \*\*kwargs and no "
+        r"parameter for 'prompts'",
+    ):
         load_reward(f"{path}:one_arg")
     with pytest.raises(RewardError, match="parameter 'prompts' is positional-only"):
         load_reward(f"{path}:positional_only")
 
 
 def test_load_reward_specs_weights_and_the_columns_each_function_receives(tmp_path):
-    path = write(tmp_path, "by_ids.py", """
+    path = write(
+        tmp_path,
+        "by_ids.py",
+        """
         def by_ids(prompts, completions, completion_ids, answer):
             return [float(len(ids)) for ids in completion_ids]
-    """)
+    """,
+    )
     # The exact signature names every keyword: the data's columns plus completion_ids, which is added.
     specs = load_reward_specs(["numeric_match", f"{path}:by_ids"], ["answer"], [0.5, 2.0])
     assert [(s.name, s.fn, s.weight) for s in specs] == [
-        ("numeric_match", numeric_match, 0.5), (f"{path}:by_ids", specs[1].fn, 2.0)]
+        ("numeric_match", numeric_match, 0.5),
+        (f"{path}:by_ids", specs[1].fn, 2.0),
+    ]
     assert specs[1].fn(prompts=["p"], completions=["c"], completion_ids=[[1, 2]], answer=["a"]) == [2.0]
     assert [s.weight for s in load_reward_specs(["numeric_match", "gsm8k"], ["answer"])] == [1.0, 1.0]
     with pytest.raises(RewardError, match=r"no \*\*kwargs and no parameter for 'label'"):
@@ -143,8 +167,11 @@ def test_signature_rule():
     check_reward_signature(exact, "exact", columns=["answer"])  # names every keyword it receives
     check_reward_signature(defaults, "defaults", columns=[])
     check_reward_signature(functools.partial(exact, answer=None), "partial", columns=[])
-    with pytest.raises(RewardError, match="required parameter 'solution' is not one of the arguments it gets "
-                                          r"\(prompts, completions, answer\)"):
+    with pytest.raises(
+        RewardError,
+        match="required parameter 'solution' is not one of the arguments it gets "
+        r"\(prompts, completions, answer\)",
+    ):
         check_reward_signature(trl, "trl", columns=["answer"])
     with pytest.raises(RewardError, match=r"no \*\*kwargs and no parameter for 'extra'"):
         check_reward_signature(exact, "exact", columns=["answer", "extra"])

@@ -13,13 +13,22 @@ from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
-from posttrain.rewards import (RewardError, RewardModelScorer, RewardSpec, compute_rewards, load_reward,
-                               load_score_head, save_score_head)
+from posttrain.rewards import (
+    RewardError,
+    RewardModelScorer,
+    RewardSpec,
+    compute_rewards,
+    load_reward,
+    load_score_head,
+    save_score_head,
+)
 from posttrain.rewards.model_reward import encode_for_scoring
 from posttrain.tokenizer import Tokenizer
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 PROMPTS = ["What is 2 plus 2? ", "Hi", "Add 47 and 38. Reply with only the final number. ", "x"]
 COMPLETIONS = ["4", "Hello there, how can I help?", "85", ""]
@@ -37,9 +46,17 @@ def tiny_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def parts():
-    cfg = ModelConfig(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=260, head_dim=8,
-                      max_position_embeddings=256)
+    cfg = ModelConfig(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     head = nn.Linear(32, 1)

@@ -56,6 +56,7 @@ def sandbox_processes() -> list[int]:
 
 # ------------------------------------------------------------------------------------------- scoring
 
+
 def test_correct_program_scores_one_and_wrong_zero():
     wrong = "a, b = map(int, input().split())\nprint(a - b)\n"
     completions = [f"Here you go:\n```python\n{ADD}```\n", wrong, ADD]
@@ -118,14 +119,17 @@ def test_concurrent_batch_keeps_order():
 
 def test_ordinary_programs_still_work():
     # processes, threads, temporary files and shared-memory semaphores stay usable within the limits
-    program = ("import tempfile\nfrom multiprocessing import Pool\n"
-               "if __name__ == '__main__':\n    with Pool(2) as pool:\n        print(pool.map(abs, [-1, -2]))\n"
-               "    with tempfile.NamedTemporaryFile('w') as f:\n        print(f.write('hi'))\n")
+    program = (
+        "import tempfile\nfrom multiprocessing import Pool\n"
+        "if __name__ == '__main__':\n    with Pool(2) as pool:\n        print(pool.map(abs, [-1, -2]))\n"
+        "    with tempfile.NamedTemporaryFile('w') as f:\n        print(f.write('hi'))\n"
+    )
     result = run_sandboxed(program, cpu_seconds=2, wall_seconds=20)
     assert (result.status, result.exit_code, result.stdout) == ("ok", 0, "[1, 2]\n2\n"), result.stderr
 
 
 # ---------------------------------------------------------------------------------- hostile programs
+
 
 def test_infinite_loop_is_unscorable_and_stopped():
     start = time.monotonic()
@@ -158,8 +162,10 @@ def test_fork_bomb_is_contained_and_leaves_no_process():
 
 
 def test_processes_that_leave_the_group_do_not_survive():
-    escape = ("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
-              "        time.sleep(60)\n        os._exit(0)\nprint('left')\n")
+    escape = (
+        "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+        "        time.sleep(60)\n        os._exit(0)\nprint('left')\n"
+    )
     result = run_sandboxed(escape, **TIGHT)
     assert result.stdout == "left\n"
     assert sandbox_processes() == []
@@ -185,9 +191,11 @@ def test_socket_connect_is_refused_and_unscorable(address):
 def test_network_namespace_blocks_what_the_guard_does_not_see():
     if "netns" not in sandbox_isolation():
         pytest.skip("no network namespace on this machine: only the Python guard stands")
-    program = ("import socket\nfor address in [('127.0.0.1', 22), ('1.1.1.1', 80)]:\n"
-               "    s = socket.socket()\n    s.settimeout(2)\n    try:\n        s.connect(address)\n"
-               "        print('connected')\n    except OSError as error:\n        print(error.errno)\n")
+    program = (
+        "import socket\nfor address in [('127.0.0.1', 22), ('1.1.1.1', 80)]:\n"
+        "    s = socket.socket()\n    s.settimeout(2)\n    try:\n        s.connect(address)\n"
+        "        print('connected')\n    except OSError as error:\n        print(error.errno)\n"
+    )
     result = run_sandboxed(program, python_guard=False, **TIGHT)
     assert result.status == "ok"
     assert "connected" not in result.stdout and result.stdout.split() == ["101", "101"]  # ENETUNREACH
@@ -213,10 +221,16 @@ print(any(found))
     assert "POSTTRAIN_SECRET" not in result.stdout
 
 
-@pytest.mark.parametrize("probe", [
-    "os.environ['POSTTRAIN_SECRET']", "os.getenv('POSTTRAIN_SECRET')", "'POSTTRAIN_SECRET' in os.environ",
-    "os.environb.get(b'POSTTRAIN_SECRET')", "os.path.expandvars('$POSTTRAIN_SECRET')",
-])
+@pytest.mark.parametrize(
+    "probe",
+    [
+        "os.environ['POSTTRAIN_SECRET']",
+        "os.getenv('POSTTRAIN_SECRET')",
+        "'POSTTRAIN_SECRET' in os.environ",
+        "os.environb.get(b'POSTTRAIN_SECRET')",
+        "os.path.expandvars('$POSTTRAIN_SECRET')",
+    ],
+)
 def test_looking_up_a_host_secret_is_unscorable(monkeypatch, probe):
     monkeypatch.setenv("POSTTRAIN_SECRET", "x")
     result = run_sandboxed(f"import os\ntry:\n    print({probe})\nexcept KeyError:\n    print('unset')\n", **TIGHT)
@@ -236,8 +250,10 @@ def test_reading_another_process_environment_is_unscorable():
 
 def test_unset_or_harmless_variables_are_not_violations(monkeypatch):
     monkeypatch.setenv("USER", "someone")
-    program = ("import os, tempfile, shutil, getpass\nprint(os.getenv('NOT_SET_ANYWHERE_XYZ'), os.environ.get('USER'))\n"
-               "print(shutil.get_terminal_size().columns > 0, bool(tempfile.gettempdir()))\n")
+    program = (
+        "import os, tempfile, shutil, getpass\nprint(os.getenv('NOT_SET_ANYWHERE_XYZ'), os.environ.get('USER'))\n"
+        "print(shutil.get_terminal_size().columns > 0, bool(tempfile.gettempdir()))\n"
+    )
     result = run_sandboxed(program, **TIGHT)
     assert result.status == "ok" and result.violations == ()
     assert result.stdout.split() == ["None", "None", "True", "True"]
@@ -267,16 +283,23 @@ def test_flooding_stdout_ends_the_run():
     assert result.status == "output_limit" and len(result.stdout) <= 100_000
 
 
-@pytest.mark.parametrize("program", ["import subprocess\nsubprocess.run(['ls'])", "import ctypes\nctypes.CDLL(None)",
-                                     "import os, signal\nos.kill(-1, signal.SIGKILL)"])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "import subprocess\nsubprocess.run(['ls'])",
+        "import ctypes\nctypes.CDLL(None)",
+        "import os, signal\nos.kill(-1, signal.SIGKILL)",
+    ],
+)
 def test_exec_ctypes_and_mass_signals_are_violations(program):
     assert run_sandboxed(program, **TIGHT).status == "violation"
 
 
 def test_scratch_directory_is_private_and_removed(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    program = ("import os\nopen('note.txt', 'w').write('hi')\nos.mkdir('d')\nos.chmod('d', 0)\n"
-               "print(sorted(os.listdir('.')))")
+    program = (
+        "import os\nopen('note.txt', 'w').write('hi')\nos.mkdir('d')\nos.chmod('d', 0)\nprint(sorted(os.listdir('.')))"
+    )
     result = run_sandboxed(program, **TIGHT)
     assert result.status == "ok" and result.stdout == "['d', 'note.txt']\n"
     assert list(tmp_path.iterdir()) == []
@@ -310,8 +333,17 @@ print(sandbox.run_sandboxed({FORK_BOMB!r}, **limits).status)
 print(sandbox.run_sandboxed("import socket; socket.create_connection(('1.1.1.1', 80))", **limits).status)
 print(sandbox.run_sandboxed("bytearray(10 * 2**30)", **limits).status)
 """
-    done = subprocess.run([python, "-I", "-c", source], capture_output=True, text=True, timeout=60,
-                          user=54321, group=54321, extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    done = subprocess.run(
+        [python, "-I", "-c", source],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=54321,
+        group=54321,
+        extra_groups=[],
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+    )
     if "Permission denied" in done.stderr and "sandbox.py" in done.stderr:
         pytest.skip("the repository is not readable by an unprivileged user here")
     assert done.returncode == 0, done.stderr

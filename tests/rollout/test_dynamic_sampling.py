@@ -83,16 +83,14 @@ def test_an_all_wrong_group_with_a_length_spread_is_dropped() -> None:
     llm, source = _setup(scripts)
     specs = [RewardSpec("right_answer", right_answer)]
     params = SamplingParams(n=G, max_tokens=24)
-    batch, stats = collect_rollout(llm, source, 2, params, specs, OVERLONG, dynamic_sampling=False,
-                                   max_refill_rounds=0)
+    batch, stats = collect_rollout(llm, source, 2, params, specs, OVERLONG, dynamic_sampling=False, max_refill_rounds=0)
     # The shaped rewards of the all-wrong group differ (a pure length signal) while its task rewards are equal.
     assert batch.rewards[:G].tolist() == [-1.0, -1.0, -0.5, 0.0]
     assert batch.task_rewards[:G].tolist() == [0.0] * G
     assert stats.zero_variance_frac == 0.5  # of the two groups, the all-wrong one has no correctness signal
 
     llm, source = _setup(scripts)
-    batch, stats = collect_rollout(llm, source, 2, params, specs, OVERLONG, dynamic_sampling=True,
-                                   max_refill_rounds=0)
+    batch, stats = collect_rollout(llm, source, 2, params, specs, OVERLONG, dynamic_sampling=True, max_refill_rounds=0)
     assert stats.dropped_groups == 1
     assert [row["name"] for row in batch.rows] == ["one right"]
     # The kept group trains on the shaped reward (no penalty at 10 tokens here: equal to the task reward).
@@ -104,8 +102,15 @@ def test_a_group_with_mixed_correctness_is_kept_whatever_its_lengths() -> None:
     # shaped rewards are all equal, yet 0 < #correct < G: the group is kept, with its shaped rewards.
     scripts = {"right but long": [("right", 24), ("wrong", 10), ("wrong", 10), ("wrong", 10)]}
     llm, source = _setup(scripts)
-    batch, stats = collect_rollout(llm, source, 1, SamplingParams(n=G, max_tokens=24),
-                                   [RewardSpec("right_answer", right_answer)], OVERLONG, dynamic_sampling=True,
-                                   max_refill_rounds=0)
+    batch, stats = collect_rollout(
+        llm,
+        source,
+        1,
+        SamplingParams(n=G, max_tokens=24),
+        [RewardSpec("right_answer", right_answer)],
+        OVERLONG,
+        dynamic_sampling=True,
+        max_refill_rounds=0,
+    )
     assert stats.dropped_groups == 0 and batch is not None and batch.num_groups == 1
     assert batch.rewards.tolist() == [0.0] * G and batch.task_rewards.tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -26,9 +26,18 @@ NUM_KV_BLOCKS = 256  # per served model
 
 
 def tiny_model(tokenizer: Tokenizer) -> Transformer:
-    cfg = ModelConfig(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, vocab_size=tokenizer.vocab_size, head_dim=8,
-                      max_position_embeddings=MAX_MODEL_LEN, eos_token_id=sorted(tokenizer.eos_token_ids)[0])
+    cfg = ModelConfig(
+        model_type="llama",
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=tokenizer.vocab_size,
+        head_dim=8,
+        max_position_embeddings=MAX_MODEL_LEN,
+        eos_token_id=sorted(tokenizer.eos_token_ids)[0],
+    )
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     with torch.no_grad():  # sharper logits than the init: fewer near-ties in greedy decoding

@@ -45,8 +45,9 @@ def test_completions_greedy_equal_llm_generate(server: LiveServer, client: opena
     assert got.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
     assert got.usage.completion_tokens == sum(len(e.outputs[0].token_ids) for e in expected)
     # the same through a stream, chunk by chunk
-    stream = client.completions.create(model=BASE, prompt=PROMPTS[0], temperature=0, max_tokens=12, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=BASE, prompt=PROMPTS[0], temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[0].outputs[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected[0].outputs[0].token_ids)
@@ -58,13 +59,15 @@ def test_chat_greedy_equal_llm_generate_streaming_and_not(server: LiveServer, cl
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == expected.text
     assert got.choices[0].finish_reason == ("length" if len(expected.token_ids) == 10 else "stop")
-    stream = client.chat.completions.create(model=BASE, messages=CHAT, temperature=0, max_tokens=10, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=BASE, messages=CHAT, temperature=0, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [got.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        got.choices[0].finish_reason
+    ]
     assert chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
 
@@ -90,8 +93,9 @@ def test_n_seed_and_logprobs(server: LiveServer, client: openai.OpenAI) -> None:
         lp = choice.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
         assert all(x <= 0 for x in lp.token_logprobs) and all(len(top) <= 2 for top in lp.top_logprobs)
-    chat = client.chat.completions.create(model=BASE, messages=CHAT, max_tokens=5, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=BASE, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-5 for t in content)
@@ -99,11 +103,12 @@ def test_n_seed_and_logprobs(server: LiveServer, client: openai.OpenAI) -> None:
 
 def test_stop_string_cuts_text_and_never_leaks_in_stream(server: LiveServer, client: openai.OpenAI) -> None:
     full = client.completions.create(model=BASE, prompt=PROMPTS[1], temperature=0, max_tokens=16).choices[0].text
-    start = next(i for i in range(len(full) // 2, len(full) - 1) if full[i:i + 2].strip())
-    stop = full[start:start + 2]
-    cut = full[:full.index(stop)]
+    start = next(i for i in range(len(full) // 2, len(full) - 1) if full[i : i + 2].strip())
+    stop = full[start : start + 2]
+    cut = full[: full.index(stop)]
     got = client.completions.create(model=BASE, prompt=PROMPTS[1], temperature=0, max_tokens=16, stop=[stop])
     assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=BASE, prompt=PROMPTS[1], temperature=0, max_tokens=16, stop=stop,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=BASE, prompt=PROMPTS[1], temperature=0, max_tokens=16, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut

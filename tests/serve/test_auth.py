@@ -97,8 +97,9 @@ def test_streaming_request_with_wrong_key_is_401(base_url: str) -> None:
     assert_401(info.value.response, "invalid_api_key")
     with pytest.raises(openai.AuthenticationError):
         client(base_url, WRONG).completions.create(model=BASE, prompt="Hi", max_tokens=3, stream=True)
-    chunks = list(client(base_url, KEYS[0]).completions.create(model=BASE, prompt="Hi", max_tokens=3, stream=True,
-                                                               temperature=0))
+    chunks = list(
+        client(base_url, KEYS[0]).completions.create(model=BASE, prompt="Hi", max_tokens=3, stream=True, temperature=0)
+    )
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -143,14 +144,17 @@ def test_keys_from_flags_or_the_environment() -> None:
     assert resolve_api_keys(["a"], {ENV_VAR: "x"}) == ["a"]  # the flag wins, as in vLLM
 
 
-@pytest.mark.parametrize("flags, env, message", [
-    ([""], {}, "--api-key: key 1 is empty"),
-    (["good,,other"], {}, "--api-key: key 2 is empty"),
-    (["secret key"], {}, "--api-key: key 1 has a space, control or non-ASCII character at position 7"),
-    (["sécret"], {}, "--api-key: key 1 has a space, control or non-ASCII character at position 2"),
-    ([], {ENV_VAR: ""}, f"{ENV_VAR} is set but empty"),
-    ([], {ENV_VAR: "ok,bad\tkey"}, f"{ENV_VAR}: key 2 has a space, control or non-ASCII character at position 4"),
-])
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        ([""], {}, "--api-key: key 1 is empty"),
+        (["good,,other"], {}, "--api-key: key 2 is empty"),
+        (["secret key"], {}, "--api-key: key 1 has a space, control or non-ASCII character at position 7"),
+        (["sécret"], {}, "--api-key: key 1 has a space, control or non-ASCII character at position 2"),
+        ([], {ENV_VAR: ""}, f"{ENV_VAR} is set but empty"),
+        ([], {ENV_VAR: "ok,bad\tkey"}, f"{ENV_VAR}: key 2 has a space, control or non-ASCII character at position 4"),
+    ],
+)
 def test_bad_keys_are_refused_without_showing_them(flags: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(PosttrainError) as info:
         resolve_api_keys(flags, env)

@@ -75,11 +75,18 @@ def test_unknown_host_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().err.startswith("error: --host 'no-such-host.invalid': cannot resolve the address")
 
 
-@pytest.mark.parametrize("host, key, warned", [
-    ("0.0.0.0", None, True), ("0.0.0.0", "sk-k", False), ("127.0.0.1", None, False), ("localhost", None, False),
-])
-def test_non_loopback_without_key_warns(host: str, key: str | None, warned: bool,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "host, key, warned",
+    [
+        ("0.0.0.0", None, True),
+        ("0.0.0.0", "sk-k", False),
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+    ],
+)
+def test_non_loopback_without_key_warns(
+    host: str, key: str | None, warned: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The model is missing, so the command ends right after binding: the warning comes before the model loads.
     argv = ["serve", "--host", host, "--port", "0", "--model", "/no/such/model"] + (["--api-key", key] if key else [])
     assert main(argv) == 2
@@ -94,9 +101,28 @@ def test_non_loopback_without_key_warns(host: str, key: str | None, warned: bool
 def test_served_with_a_key_from_the_environment(default_model_dir: Path) -> None:
     key = "sk-from-the-environment-42"
     env = {**os.environ, ENV_VAR: key, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "posttrain.cli", "serve", "--model", str(default_model_dir), "--port", "0",
-            "--host", "127.0.0.1", "--served-model-name", "m", "--max-model-len", "128", "--num-kv-blocks", "16",
-            "--dtype", "float32", "--device", "cpu"]
+    argv = [
+        sys.executable,
+        "-m",
+        "posttrain.cli",
+        "serve",
+        "--model",
+        str(default_model_dir),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        "128",
+        "--num-kv-blocks",
+        "16",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
@@ -105,7 +131,8 @@ def test_served_with_a_key_from_the_environment(default_model_dir: Path) -> None
         assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
         assert int(match[2]) != 0  # the port the system picked
         reply = openai.OpenAI(base_url=match[1], api_key=key, max_retries=0, timeout=120).completions.create(
-            model="m", prompt="Hello", max_tokens=2, temperature=0)
+            model="m", prompt="Hello", max_tokens=2, temperature=0
+        )
         assert reply.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=match[1], api_key="sk-wrong", max_retries=0, timeout=60).models.list()

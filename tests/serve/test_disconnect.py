@@ -20,7 +20,11 @@ def wait_until_idle(server: LiveServer, free_blocks: int, aborted: int, timeout:
     while True:
         now = stats(server)
         model = now["models"][BASE]
-        if model["free_kv_blocks"] == free_blocks and model["unfinished_requests"] == 0 and now["aborted_requests"] >= aborted:
+        if (
+            model["free_kv_blocks"] == free_blocks
+            and model["unfinished_requests"] == 0
+            and now["aborted_requests"] >= aborted
+        ):
             return now
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks not freed: {now} (want {free_blocks} free, {aborted} aborted)")
@@ -35,8 +39,13 @@ def before(server: LiveServer) -> dict:
 def test_streaming_client_disconnect_frees_blocks(server: LiveServer, before: dict) -> None:
     client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
     start_free = before["models"][BASE]["free_kv_blocks"]
-    stream = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Write a long story."}],
-                                            max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=BASE,
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     received = 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

@@ -30,7 +30,7 @@ def token_text(server: LiveServer, token_id: int) -> str:
 
 def assert_offsets_index_text(text: str, tokens: list[str], offsets: list[int]) -> None:
     for token, offset in zip(tokens, offsets):
-        assert text[offset:offset + len(token)] == token
+        assert text[offset : offset + len(token)] == token
 
 
 def test_score_prompt_equals_forward_pass(server: LiveServer, client: openai.OpenAI) -> None:
@@ -73,8 +73,13 @@ def test_echo_with_generation(server: LiveServer, client: openai.OpenAI) -> None
         assert echoed.text == prompt + generated.text and echoed.finish_reason == generated.finish_reason
         P = len(server.tokenizer.encode(prompt, add_special_tokens=True))
         lp, gen = echoed.logprobs, generated.logprobs
-        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) \
+        assert (
+            len(lp.tokens)
+            == len(lp.token_logprobs)
+            == len(lp.top_logprobs)
+            == len(lp.text_offset)
             == P + len(gen.tokens)
+        )
         assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
         assert lp.tokens[P:] == gen.tokens and lp.top_logprobs[P:] == gen.top_logprobs
         assert lp.token_logprobs[P:] == pytest.approx(gen.token_logprobs, abs=1e-4)
@@ -91,5 +96,6 @@ def test_token_id_prompt_is_decoded(server: LiveServer, client: openai.OpenAI) -
     by_ids = client.completions.create(model=BASE, prompt=ids, echo=True, max_tokens=0, logprobs=1)
     assert by_ids.choices[0].text == server.tokenizer.decode(ids, skip_special_tokens=False)
     assert by_ids.choices[0].logprobs.tokens == by_text.choices[0].logprobs.tokens
-    assert by_ids.choices[0].logprobs.token_logprobs == pytest.approx(by_text.choices[0].logprobs.token_logprobs,
-                                                                      abs=1e-4)
+    assert by_ids.choices[0].logprobs.token_logprobs == pytest.approx(
+        by_text.choices[0].logprobs.token_logprobs, abs=1e-4
+    )

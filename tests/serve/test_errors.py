@@ -39,8 +39,10 @@ CHAT_CASES = {
     "unknown role": (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.[0].role"),
     "context length": (dict(max_tokens=MAX_MODEL_LEN), "messages"),
     "content of the wrong type": (dict(messages=[{"role": "user", "content": 123}]), "messages.[0].content"),
-    "image content part": (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-                           "messages.[0].content.[0].type"),
+    "image content part": (
+        dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        "messages.[0].content.[0].type",
+    ),
 }
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
 
 from tests.serve.conftest import BASE, LiveServer
 from tests.serve.test_echo import PROMPT, dense_log_softmax, token_text
@@ -45,8 +44,9 @@ def test_completions_prompt_logprobs_match_a_forward_pass(server: LiveServer, cl
 
 def test_prompt_logprobs_with_echo_keep_each_their_own_k(server: LiveServer, client: openai.OpenAI) -> None:
     ids = server.tokenizer.encode(PROMPT, add_special_tokens=True)
-    got = client.completions.create(model=BASE, prompt=PROMPT, echo=True, max_tokens=0, logprobs=1,
-                                    extra_body={"prompt_logprobs": 4})
+    got = client.completions.create(
+        model=BASE, prompt=PROMPT, echo=True, max_tokens=0, logprobs=1, extra_body={"prompt_logprobs": 4}
+    )
     choice = got.choices[0]
     assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])  # echo's k = logprobs = 1
     assert_vllm_prompt_logprobs(server, ids, choice.model_extra["prompt_logprobs"], 4)
@@ -64,15 +64,22 @@ def test_without_prompt_logprobs_the_field_is_null(client: openai.OpenAI) -> Non
     assert got.choices[0].model_extra["prompt_logprobs"] is None
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs is not supported with stream=true"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs is not supported with stream=true"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
 def test_bad_prompt_logprobs_are_refused(client: openai.OpenAI, body: dict, message: str) -> None:
     with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model=BASE, prompt=PROMPT, max_tokens=1, **{k: v for k, v in body.items()
-                                                                             if k == "stream"},
-                                  extra_body={k: v for k, v in body.items() if k != "stream"})
+        client.completions.create(
+            model=BASE,
+            prompt=PROMPT,
+            max_tokens=1,
+            **{k: v for k, v in body.items() if k == "stream"},
+            extra_body={k: v for k, v in body.items() if k != "stream"},
+        )
     assert message in str(error.value)
     assert error.value.body["param"] == "prompt_logprobs"

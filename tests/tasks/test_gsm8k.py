@@ -12,9 +12,15 @@ from posttrain.tasks.gsm8k import DEFAULT_PATH, INSTRUCTION
 def test_real_file_first_rows_and_reward():
     rows = load_gsm8k(DEFAULT_PATH)
     first = rows[0]
-    assert first["prompt"] == [{"role": "user", "content": (
-        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-        "How many clips did Natalia sell altogether in April and May?" + INSTRUCTION)}]
+    assert first["prompt"] == [
+        {
+            "role": "user",
+            "content": (
+                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                "How many clips did Natalia sell altogether in April and May?" + INSTRUCTION
+            ),
+        }
+    ]
     assert first["answer"].endswith("#### 72")
     assert rows[1]["answer"].endswith("#### 10")
     completions = ["48 / 2 = 24 and 48 + 24 = 72\n#### 72", "#### 10", "I am not sure."]
@@ -59,17 +65,34 @@ def test_rows_are_copies(tmp_path):
     assert task.held_out(1)[0]["prompt"][0]["content"] != "changed"
 
 
-@pytest.mark.parametrize("lines, message", [
-    (['{"question": "a?", "answer": "#### 1"}', '{"answer": "#### 2"}'], r"bad\.jsonl:2: row has no 'question' string"),
-    # an unclosed line is blamed on itself, just after its last character (not on "column 1" of line 4)
-    (['{"question": "a?", "answer": "#### 1"}', "", '{"question": "b?"'],
-     r"bad\.jsonl:3:18: invalid JSON: Expecting ',' delimiter$"),
-    (['["question", "answer"]'], r"bad\.jsonl:1: array items must be JSON objects, got str"),  # read as a JSON array
-    (['{"question": "a?", "answer": "#### 1"}', '["question", "answer"]'], r"bad\.jsonl:2: expected a JSON object, got list"),
-    (['{"question": "a?", "answer": "#### 1"}', '{"question": "\udcff"}'], r"bad\.jsonl:2:15: invalid UTF-8 \(byte 0xff\)"),
-    (['{"question": "a?", "answer": null}'], r"bad\.jsonl:1: row has no 'answer' string"),
-    ([""], r"bad\.jsonl: no rows"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (
+            ['{"question": "a?", "answer": "#### 1"}', '{"answer": "#### 2"}'],
+            r"bad\.jsonl:2: row has no 'question' string",
+        ),
+        # an unclosed line is blamed on itself, just after its last character (not on "column 1" of line 4)
+        (
+            ['{"question": "a?", "answer": "#### 1"}', "", '{"question": "b?"'],
+            r"bad\.jsonl:3:18: invalid JSON: Expecting ',' delimiter$",
+        ),
+        (
+            ['["question", "answer"]'],
+            r"bad\.jsonl:1: array items must be JSON objects, got str",
+        ),  # read as a JSON array
+        (
+            ['{"question": "a?", "answer": "#### 1"}', '["question", "answer"]'],
+            r"bad\.jsonl:2: expected a JSON object, got list",
+        ),
+        (
+            ['{"question": "a?", "answer": "#### 1"}', '{"question": "\udcff"}'],
+            r"bad\.jsonl:2:15: invalid UTF-8 \(byte 0xff\)",
+        ),
+        (['{"question": "a?", "answer": null}'], r"bad\.jsonl:1: row has no 'answer' string"),
+        ([""], r"bad\.jsonl: no rows"),
+    ],
+)
 def test_bad_files_name_file_and_line(tmp_path, lines, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))  # "\udcff": the byte 0xff

@@ -30,11 +30,15 @@ def trackio_dir() -> Path:
 def offline_env(home: Path, mlflow_uri: str) -> dict[str, str]:
     """W&B offline with its caches under `home`, and MLflow's file store at `mlflow_uri`."""
     return {
-        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-        "WANDB_CACHE_DIR": str(home / "wandb-cache"), "WANDB_CONFIG_DIR": str(home / "wandb-config"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_CACHE_DIR": str(home / "wandb-cache"),
+        "WANDB_CONFIG_DIR": str(home / "wandb-config"),
         "WANDB_DATA_DIR": str(home / "wandb-data"),
         # MLflow keeps its file store in maintenance mode and asks for this switch to open one.
-        "MLFLOW_TRACKING_URI": mlflow_uri, "MLFLOW_ALLOW_FILE_STORE": "true",
+        "MLFLOW_TRACKING_URI": mlflow_uri,
+        "MLFLOW_ALLOW_FILE_STORE": "true",
     }
 
 

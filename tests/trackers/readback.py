@@ -41,7 +41,9 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def assert_rows_hold(rows: Mapping[int, Mapping[str, Any]], expected: Mapping[int, Mapping[str, Any]], where: str) -> None:
+def assert_rows_hold(
+    rows: Mapping[int, Mapping[str, Any]], expected: Mapping[int, Mapping[str, Any]], where: str
+) -> None:
     assert set(rows) == set(expected), f"{where}: steps {sorted(rows)} != metrics.jsonl's {sorted(expected)}"
     for step, want in expected.items():
         for key, value in want.items():
@@ -82,8 +84,10 @@ def mlflow_run(tracking_uri: str, experiment: str, name: str) -> tuple[Any, Any]
 
 
 def mlflow_numbers(client: Any, run: Any) -> dict[str, list[tuple[int, str]]]:
-    return {key: sorted((m.step, repr(float(m.value))) for m in client.get_metric_history(run.info.run_id, key))
-            for key in run.data.metrics}
+    return {
+        key: sorted((m.step, repr(float(m.value))) for m in client.get_metric_history(run.info.run_id, key))
+        for key in run.data.metrics
+    }
 
 
 def dotted(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

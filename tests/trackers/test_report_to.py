@@ -20,10 +20,17 @@ from posttrain.trainers.sft import SFTConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("value, names", [
-    (None, []), ("none", []), ([], []), (["none"], []), ("wandb", ["wandb"]),
-    (["mlflow", "wandb", "mlflow"], ["mlflow", "wandb"]),
-])
+@pytest.mark.parametrize(
+    "value, names",
+    [
+        (None, []),
+        ("none", []),
+        ([], []),
+        (["none"], []),
+        ("wandb", ["wandb"]),
+        (["mlflow", "wandb", "mlflow"], ["mlflow", "wandb"]),
+    ],
+)
 def test_report_to_takes_a_list_one_name_or_none(value, names):
     assert resolve_report_to(value) == names
 
@@ -33,11 +40,17 @@ def test_the_tensorboard_switch_adds_tensorboard_once():
     assert resolve_report_to(["tensorboard"], tensorboard=True) == ["tensorboard"]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("log.report_to=wandbb", "log: report_to: unknown tracker 'wandbb' (one of: tensorboard, wandb, trackio, mlflow, or none)"),
-    ("log.report_to=[none, wandb]", "log: report_to: 'none' cannot be combined with other trackers"),
-    ("log.project=' '", "log: project must not be empty"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "log.report_to=wandbb",
+            "log: report_to: unknown tracker 'wandbb' (one of: tensorboard, wandb, trackio, mlflow, or none)",
+        ),
+        ("log.report_to=[none, wandb]", "log: report_to: 'none' cannot be combined with other trackers"),
+        ("log.project=' '", "log: project must not be empty"),
+    ],
+)
 def test_bad_report_to_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(SFTConfig, None, ["data.path=x.jsonl", override])
@@ -54,8 +67,11 @@ def test_every_trainer_config_reads_report_to(cls):
 
 def test_the_older_tensorboard_switch_is_checked_as_itself(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # None: `import tensorboard` fails
-    with pytest.raises(ConfigError, match=r"^log.tensorboard is true but the tensorboard package is not installed: "
-                                          r"pip install 'posttrain\[tensorboard\]'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^log.tensorboard is true but the tensorboard package is not installed: "
+        r"pip install 'posttrain\[tensorboard\]'$",
+    ):
         load_config(GRPOConfig, None, ["log.tensorboard=true"])
 
 
@@ -128,16 +144,24 @@ def test_a_tracker_that_cannot_start_is_one_line_and_leaves_nothing_open(tmp_pat
 
 def test_a_missing_library_at_open_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
-    with pytest.raises(PosttrainError, match=r"^log.report_to includes 'mlflow' but the mlflow package is not "
-                                             r"installed: pip install 'posttrain\[mlflow\]'$"):
+    with pytest.raises(
+        PosttrainError,
+        match=r"^log.report_to includes 'mlflow' but the mlflow package is not "
+        r"installed: pip install 'posttrain\[mlflow\]'$",
+    ):
         MetricsLogger(tmp_path, report_to=["mlflow"])
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("key, store, file_store", [
-    ("loss", "loss", "loss"), ("loss/policy", "loss/policy", "loss.policy"),
-    ("reward//tmp/r.py:f/mean", "reward/tmp/r.py:f/mean", "reward.tmp.r.py:f.mean"),
-    ("weights.a*b", "weights.a_b", "weights.a_b"), ("/./", "_", "_"),
-])
+@pytest.mark.parametrize(
+    "key, store, file_store",
+    [
+        ("loss", "loss", "loss"),
+        ("loss/policy", "loss/policy", "loss.policy"),
+        ("reward//tmp/r.py:f/mean", "reward/tmp/r.py:f/mean", "reward.tmp.r.py:f.mean"),
+        ("weights.a*b", "weights.a_b", "weights.a_b"),
+        ("/./", "_", "_"),
+    ],
+)
 def test_mlflow_names(key, store, file_store):
     assert mlflow_name(key) == store and mlflow_name(key, file_store=True) == file_store

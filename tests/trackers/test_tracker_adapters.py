@@ -10,12 +10,23 @@ import pytest
 
 from posttrain.metrics import MetricsLogger
 from tests.trackers.readback import (
-    assert_rows_hold, dotted, jsonl_by_step, jsonl_numbers, mlflow_numbers, mlflow_run, trackio_run, wandb_rows,
+    assert_rows_hold,
+    dotted,
+    jsonl_by_step,
+    jsonl_numbers,
+    mlflow_numbers,
+    mlflow_run,
+    trackio_run,
+    wandb_rows,
 )
 
-CONFIG = {"model": {"name_or_path": "tiny", "dtype": None}, "optim": {"lr": 1e-05, "betas": [0.9, 0.999]},
-          "data": {"columns": {}, "path": "train.jsonl"}, "log": {"report_to": ["x"], "tensorboard": False},
-          "out": "runs/x"}
+CONFIG = {
+    "model": {"name_or_path": "tiny", "dtype": None},
+    "optim": {"lr": 1e-05, "betas": [0.9, 0.999]},
+    "data": {"columns": {}, "path": "train.jsonl"},
+    "log": {"report_to": ["x"], "tensorboard": False},
+    "out": "runs/x",
+}
 # Every kind of value a record may hold: floats, ints, non-finite floats, strings, booleans.
 RECORDS = [
     (1, {"loss": 2.5, "lr": 1e-4, "tokens": 128, "phase": "warmup", "clipped": True}),
@@ -47,8 +58,11 @@ def test_trackio_local_run_holds_every_record(offline, capsys):
     assert capsys.readouterr().out == ""  # trackio's announcements go to stderr: stdout is the run directory's
     run, rows = trackio_run(project, offline.name)
     assert {k: v for k, v in run.config.items() if not k.startswith("_")} == CONFIG
-    assert_rows_hold({step: {k: v for k, v in row.items() if k != "timestamp"} for step, row in rows.items()},
-                     jsonl_by_step(offline), "trackio")
+    assert_rows_hold(
+        {step: {k: v for k, v in row.items() if k != "timestamp"} for step, row in rows.items()},
+        jsonl_by_step(offline),
+        "trackio",
+    )
 
 
 def test_mlflow_file_store_run_holds_the_numbers_and_the_config(offline):

@@ -20,7 +20,14 @@ from posttrain.trainers.sft import SFTConfig, train_sft
 from tests.data.tiny import save_tiny_model_dir, write_qa_jsonl
 from tests.trackers.conftest import offline_env
 from tests.trackers.readback import (
-    assert_rows_hold, dotted, jsonl_by_step, jsonl_numbers, mlflow_numbers, mlflow_run, trackio_run, wandb_rows,
+    assert_rows_hold,
+    dotted,
+    jsonl_by_step,
+    jsonl_numbers,
+    mlflow_numbers,
+    mlflow_run,
+    trackio_run,
+    wandb_rows,
 )
 from tests.trainers import rl_helpers
 
@@ -30,19 +37,44 @@ ALL = "log.report_to=[wandb,trackio,mlflow]"
 def _train_sft(root: Path, project: str) -> Path:
     model_dir = save_tiny_model_dir(root / "model")
     data = write_qa_jsonl(root / "qa.jsonl")
-    cfg = load_config(SFTConfig, overrides=[
-        f"model.name_or_path={model_dir}", f"data.path={data}", "data.columns={prompt: question, completion: answer}",
-        "data.as_chat=true", "data.eval_fraction=0.25", "train.batch_size=2", "train.max_steps=3",
-        "train.progress=false", f"out={root / 'sft-run'}", ALL, f"log.project={project}"])
+    cfg = load_config(
+        SFTConfig,
+        overrides=[
+            f"model.name_or_path={model_dir}",
+            f"data.path={data}",
+            "data.columns={prompt: question, completion: answer}",
+            "data.as_chat=true",
+            "data.eval_fraction=0.25",
+            "train.batch_size=2",
+            "train.max_steps=3",
+            "train.progress=false",
+            f"out={root / 'sft-run'}",
+            ALL,
+            f"log.project={project}",
+        ],
+    )
     return train_sft(cfg)
 
 
 def _train_grpo(root: Path, project: str) -> Path:
     tok = rl_helpers.tokenizer()
-    cfg = load_config(GRPOConfig, None, [
-        f"out={root / 'grpo-run'}", f"reward.functions=[{rl_helpers.reward_file(root)}:char_mix]",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=6", "data.eval_size=2",
-        "train.max_steps=2", "log.progress=false", "save_final=false", ALL, f"log.project={project}"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"out={root / 'grpo-run'}",
+            f"reward.functions=[{rl_helpers.reward_file(root)}:char_mix]",
+            "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_tokens=6",
+            "data.eval_size=2",
+            "train.max_steps=2",
+            "log.progress=false",
+            "save_final=false",
+            ALL,
+            f"log.project={project}",
+        ],
+    )
     return train_grpo(cfg, model=rl_helpers.tiny_model(tok), tokenizer=tok)
 
 
@@ -92,14 +124,22 @@ def test_mlflow_file_store_gets_what_metrics_jsonl_gets(run):
         assert names["loss/policy"] == "loss.policy"
     assert mlflow_numbers(client, mlflow) == {names[k]: v for k, v in jsonl_numbers(run_dir).items()}
     leaves = dotted(_config(run_dir))
-    assert {mlflow_name(k, file_store=True): (v if isinstance(v, str) else json.dumps(v))
-            for k, v in leaves.items()} == mlflow.data.params
+    assert {
+        mlflow_name(k, file_store=True): (v if isinstance(v, str) else json.dumps(v)) for k, v in leaves.items()
+    } == mlflow.data.params
 
 
-@pytest.mark.parametrize("command, args", [
-    ("sft", ["data.path=train.jsonl"]), ("dpo", ["data.path=pairs.jsonl"]), ("rm", ["data.path=pairs.jsonl"]),
-    ("distill", ["data.path=train.jsonl", "teacher.name_or_path=teacher"]), ("grpo", []), ("ppo", []),
-])
+@pytest.mark.parametrize(
+    "command, args",
+    [
+        ("sft", ["data.path=train.jsonl"]),
+        ("dpo", ["data.path=pairs.jsonl"]),
+        ("rm", ["data.path=pairs.jsonl"]),
+        ("distill", ["data.path=train.jsonl", "teacher.name_or_path=teacher"]),
+        ("grpo", []),
+        ("ppo", []),
+    ],
+)
 def test_a_missing_tracker_library_is_one_line_before_any_compute(command, args, tmp_path, monkeypatch, capsys):
     import posttrain.models.hub as hub
 
@@ -108,6 +148,7 @@ def test_a_missing_tracker_library_is_one_line_before_any_compute(command, args,
     out = tmp_path / "run"
     assert cli_main([command, *args, f"out={out}", "log.report_to=[mlflow, wandb]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: log.report_to includes 'wandb' but the wandb package is not installed: "
-                   "pip install 'posttrain[wandb]'"]
+    assert err == [
+        "error: log.report_to includes 'wandb' but the wandb package is not installed: pip install 'posttrain[wandb]'"
+    ]
     assert not out.exists()

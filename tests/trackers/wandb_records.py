@@ -34,11 +34,11 @@ def _payloads(data: bytes):
         if BLOCK - pos % BLOCK < HEADER:  # too little room for a chunk header: the block is padded
             pos += BLOCK - pos % BLOCK
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if kind == 0 and length == 0:  # zero padding at the end of a block
             pos += BLOCK - pos % BLOCK
             continue
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
             yield chunk

@@ -12,8 +12,10 @@ PAIRS = [(1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 1), (8, 2)]
 
 
 def pair_rows() -> list[dict]:
-    return [{"prompt": f"What is {a} plus {b}?", "chosen": f" The answer is {a + b}.",
-             "rejected": f" The sky is blue {a}."} for a, b in PAIRS]
+    return [
+        {"prompt": f"What is {a} plus {b}?", "chosen": f" The answer is {a + b}.", "rejected": f" The sky is blue {a}."}
+        for a, b in PAIRS
+    ]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -28,8 +30,16 @@ def setup_dir(tmp_path: Path, seed: int = 0) -> tuple[Path, Path]:
 
 
 def config(cls, model: Path, data: Path, out: Path, *overrides: str):
-    return load_config(cls, overrides=[f"model.name_or_path={model}", f"data.path={data}", f"out={out}",
-                                       "train.progress=false", *overrides])
+    return load_config(
+        cls,
+        overrides=[
+            f"model.name_or_path={model}",
+            f"data.path={data}",
+            f"out={out}",
+            "train.progress=false",
+            *overrides,
+        ],
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -12,7 +12,7 @@ from posttrain.models.transformer import Transformer
 
 # A reward with spread inside every group: the share of characters of the completion that are digits or
 # spaces, so a random model's samples differ and every algorithm has an advantage to follow.
-REWARD_SOURCE = '''
+REWARD_SOURCE = """
 def char_mix(completions, **kwargs):
     out = []
     for text in completions:
@@ -28,7 +28,7 @@ def parity_gated(completions, answer, **kwargs):
 
 def two_args(p, c):
     return [0.0] * len(c)
-'''
+"""
 
 
 def tokenizer():
@@ -38,9 +38,19 @@ def tokenizer():
 def tiny_model(tok, seed: int = 0, layers: int = 2) -> Transformer:
     """A 2-layer random decoder over the default tokenizer's vocabulary (49152 tokens)."""
     eos = sorted(getattr(tok, "eos_token_ids", []) or [2])
-    cfg = ModelConfig(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, head_dim=8,
-                      max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=eos[0])
+    cfg = ModelConfig(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=eos[0],
+    )
     torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():  # varied samples (the default init puts most mass on one token)

@@ -87,10 +87,11 @@ def assert_adapter_loads_back(final: Path, model: torch.nn.Module, base_dir: Pat
 
 def test_sft_lora_trains_adapters_only_and_saves_peft_files(tiny, tmp_path, prepared):
     model_dir, data, _ = tiny
-    cfg = config(SFTConfig, model_dir, data, tmp_path / "run", *LORA, *FAST, "train.save_every=1",
-                 "train.keep_checkpoints=1")
+    cfg = config(
+        SFTConfig, model_dir, data, tmp_path / "run", *LORA, *FAST, "train.save_every=1", "train.keep_checkpoints=1"
+    )
     run_dir = train_sft(cfg)
-    (model, before), = prepared
+    ((model, before),) = prepared
     assert_only_adapters_trained(model, before)
     assert_adapter_loads_back(run_dir / "final", model, model_dir)
     assert (run_dir / "final" / "tokenizer.json").is_file()
@@ -103,8 +104,9 @@ def test_dpo_lora_reference_is_the_base_with_adapters_off(tiny, tmp_path, prepar
     monkeypatch.setattr(reference, "copy", types.SimpleNamespace(deepcopy=lambda m: pytest.fail("copied the policy")))
     runs = {}
     for ref in ("precompute", "live"):
-        cfg = config(DPOConfig, model_dir, data, tmp_path / ref, *LORA, *FAST, f"reference={ref}",
-                     "optim.warmup_ratio=0")
+        cfg = config(
+            DPOConfig, model_dir, data, tmp_path / ref, *LORA, *FAST, f"reference={ref}", "optim.warmup_ratio=0"
+        )
         runs[ref] = [r for r in read_metrics(train_dpo(cfg)) if "loss" in r]
     assert runs["live"][0]["loss"] == pytest.approx(0.6931472, abs=1e-5)  # policy == reference at step 1
     for a, b in zip(runs["precompute"], runs["live"]):  # step 2 too: the live reference stays the base
@@ -126,10 +128,10 @@ def test_reward_model_lora_trains_the_head_beside_the_adapters(tiny, tmp_path, p
 
     monkeypatch.setattr(reward_model, "new_score_head", record_head)
     run_dir = train_reward_model(config(RMConfig, model_dir, data, tmp_path / "rm", *LORA, *FAST))
-    (trunk, before), = prepared
+    ((trunk, before),) = prepared
     assert_only_adapters_trained(trunk, before)
     assert_adapter_loads_back(run_dir / "final", trunk, model_dir)
-    (head, initial), = heads
+    ((head, initial),) = heads
     assert head.weight.requires_grad and not torch.equal(head.weight, initial), "the score head did not train"
     saved = load_score_head(run_dir / "final", trunk.config.hidden_size)
     assert torch.equal(saved.weight, head.weight.detach().float())
@@ -139,10 +141,19 @@ def test_reward_model_lora_trains_the_head_beside_the_adapters(tiny, tmp_path, p
 def test_distill_lora_trains_the_student_adapters(tiny, tmp_path, prepared, mode):
     model_dir, data, teacher = tiny
     extra = ("max_new_tokens=4",) if mode == "on_policy" else ()
-    cfg = config(DistillConfig, model_dir, data, tmp_path / mode, *LORA, *FAST, f"teacher.name_or_path={teacher}",
-                 f"mode={mode}", *extra)
+    cfg = config(
+        DistillConfig,
+        model_dir,
+        data,
+        tmp_path / mode,
+        *LORA,
+        *FAST,
+        f"teacher.name_or_path={teacher}",
+        f"mode={mode}",
+        *extra,
+    )
     run_dir = train_distill(cfg)
-    (student, before), = prepared  # the teacher is never prepared: it is loaded frozen
+    ((student, before),) = prepared  # the teacher is never prepared: it is loaded frozen
     assert_only_adapters_trained(student, before)
     assert_adapter_loads_back(run_dir / "final", student, model_dir)
 
@@ -154,7 +165,7 @@ def test_distill_lora_trains_the_student_adapters(tiny, tmp_path, prepared, mode
 def test_sft_qlora_trains_adapters_over_a_quantized_base(tiny, tmp_path, prepared, scheme):
     model_dir, data, _ = tiny
     run_dir = train_sft(config(SFTConfig, model_dir, data, tmp_path / scheme, *LORA, *FAST, f"quant={scheme}"))
-    (model, before), = prepared
+    ((model, before),) = prepared
     q_proj = model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, LoRALinear) and isinstance(q_proj.base_layer, QuantizedLinear)
     assert q_proj.base_layer.scheme.name == scheme
@@ -169,11 +180,20 @@ def test_sft_qlora_trains_adapters_over_a_quantized_base(tiny, tmp_path, prepare
 
 def test_dpo_qlora_trains_with_an_int4_base(tiny, tmp_path, prepared):
     model_dir, data, _ = tiny
-    cfg = config(DPOConfig, model_dir, data, tmp_path / "dpo", *LORA, *FAST, "quant=int4-g32", "reference=live",
-                 "optim.warmup_ratio=0")
+    cfg = config(
+        DPOConfig,
+        model_dir,
+        data,
+        tmp_path / "dpo",
+        *LORA,
+        *FAST,
+        "quant=int4-g32",
+        "reference=live",
+        "optim.warmup_ratio=0",
+    )
     records = [r for r in read_metrics(train_dpo(cfg)) if "loss" in r]
     assert records[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)  # the reference is the quantized base
-    (model, before), = prepared
+    ((model, before),) = prepared
     assert isinstance(model.layers[1].mlp.down_proj.base_layer, QuantizedLinear)
     assert_only_adapters_trained(model, before)
     assert_adapter_loads_back(tmp_path / "dpo" / "final", model, model_dir, same_logits=False)
@@ -184,11 +204,23 @@ def test_grpo_qlora_step_with_the_quantized_base_as_reference(tmp_path):
     from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
     tok = tokenizer()
-    cfg = load_config(GRPOConfig, None, [
-        f"out={tmp_path / 'grpo'}", f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=6", "data.eval_size=0",
-        "log.progress=false",
-        *LORA, "quant=int8", "kl.beta=0.1", "optim.lr=1e-2"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"out={tmp_path / 'grpo'}",
+            f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
+            "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_tokens=6",
+            "data.eval_size=0",
+            "log.progress=false",
+            *LORA,
+            "quant=int8",
+            "kl.beta=0.1",
+            "optim.lr=1e-2",
+        ],
+    )
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     assert run.reference is None and isinstance(run.model.layers[0].self_attn.v_proj.base_layer, QuantizedLinear)
     codes = run.model.layers[0].self_attn.v_proj.base_layer.qweight.clone()
@@ -228,14 +260,17 @@ def test_sft_qat_exports_a_quantized_dir_close_to_the_fake_quant_model(tiny, tmp
 
 def test_train_sft_qat_final_loads_in_eval_ppl(tiny, tmp_path, capsys):
     model_dir, data, _ = tiny
-    run_dir = train_sft(config(SFTConfig, model_dir, data, tmp_path / "qat", *FAST, "qat=int4-g32",
-                               "train.save_every=1"))
+    run_dir = train_sft(
+        config(SFTConfig, model_dir, data, tmp_path / "qat", *FAST, "qat=int4-g32", "train.save_every=1")
+    )
     checkpoint = run_dir / "checkpoints" / "step-1"  # mid-run saves keep the float weights
     assert (checkpoint / "model.safetensors").is_file() and not is_quantized_dir(checkpoint)
     final = run_dir / "final"
     assert is_quantized_dir(final) and (final / "tokenizer.json").is_file()
-    assert cli_main(["eval", "ppl", "--model", str(final), "--data", str(data), "--column", "chosen",
-                     "--device", "cpu"]) == 0
+    assert (
+        cli_main(["eval", "ppl", "--model", str(final), "--data", str(data), "--column", "chosen", "--device", "cpu"])
+        == 0
+    )
     assert "perplexity" in capsys.readouterr().out
 
 
@@ -254,11 +289,14 @@ def test_quant_without_lora_is_refused_naming_the_key(cls, tiny):
         load_config(cls, None, [*extra, "quant=int3", *LORA])
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (["qat=int8", *LORA], "qat and lora cannot be combined"),
-    (["qat=int8", "quant=int8", *LORA], "qat and quant cannot be combined"),
-    (["qat=int5"], r"qat: unknown quantization scheme 'int5'"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["qat=int8", *LORA], "qat and lora cannot be combined"),
+        (["qat=int8", "quant=int8", *LORA], "qat and quant cannot be combined"),
+        (["qat=int5"], r"qat: unknown quantization scheme 'int5'"),
+    ],
+)
 def test_bad_qat_combinations_fail_on_load(tiny, overrides, match):
     _, data, _ = tiny
     with pytest.raises(ConfigError, match=match):

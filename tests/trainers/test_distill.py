@@ -13,7 +13,14 @@ from posttrain.models.checkpoint_io import save_hf_dir
 from posttrain.models.transformer import Transformer
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainers.distill import DistillConfig, VocabMismatchError, check_shared_vocab, train_distill
-from tests.data.tiny import SPECIAL_TOKENS, VOCAB_SIZE, save_tiny_model_dir, tiny_model, tiny_model_config, tiny_tokenizer
+from tests.data.tiny import (
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    save_tiny_model_dir,
+    tiny_model,
+    tiny_model_config,
+    tiny_tokenizer,
+)
 from tests.trainers.pref_helpers import config, read_metrics, setup_dir
 
 
@@ -27,9 +34,18 @@ def tiny(tmp_path_factory):
 
 def test_off_policy_forward_kl_falls(tiny, tmp_path):
     student, teacher, data = tiny
-    cfg = config(DistillConfig, student, data, tmp_path / "run", f"teacher.name_or_path={teacher}",
-                 "train.max_steps=8", "train.batch_size=6", "data.eval_fraction=0.25", "optim.lr=3e-3",
-                 "optim.schedule=constant")
+    cfg = config(
+        DistillConfig,
+        student,
+        data,
+        tmp_path / "run",
+        f"teacher.name_or_path={teacher}",
+        "train.max_steps=8",
+        "train.batch_size=6",
+        "data.eval_fraction=0.25",
+        "optim.lr=3e-3",
+        "optim.schedule=constant",
+    )
     records = read_metrics(train_distill(cfg))
     before, steps = records[0], [r for r in records if "loss" in r]
     assert before["step"] == 0
@@ -40,9 +56,22 @@ def test_off_policy_forward_kl_falls(tiny, tmp_path):
 @pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
 def test_on_policy_samples_from_the_live_student(tiny, tmp_path, loss):
     student, teacher, data = tiny
-    cfg = config(DistillConfig, student, data, tmp_path / loss, f"teacher.name_or_path={teacher}", "mode=on_policy",
-                 f"loss={loss}", "beta=0.3", "max_new_tokens=6", "train.max_steps=4", "train.batch_size=4",
-                 "optim.lr=3e-3", "data.eval_fraction=0.25", "optim.schedule=constant")
+    cfg = config(
+        DistillConfig,
+        student,
+        data,
+        tmp_path / loss,
+        f"teacher.name_or_path={teacher}",
+        "mode=on_policy",
+        f"loss={loss}",
+        "beta=0.3",
+        "max_new_tokens=6",
+        "train.max_steps=4",
+        "train.batch_size=4",
+        "optim.lr=3e-3",
+        "data.eval_fraction=0.25",
+        "optim.schedule=constant",
+    )
     records = [r for r in read_metrics(train_distill(cfg)) if "loss" in r]
     assert len(records) == 4 and all(math.isfinite(r["loss"]) and r["loss_tokens"] > 0 for r in records)
     assert (tmp_path / loss / "final" / "model.safetensors").is_file()
@@ -50,8 +79,9 @@ def test_on_policy_samples_from_the_live_student(tiny, tmp_path, loss):
 
 def test_vocab_mismatch_fails_clearly(tiny, tmp_path):
     student, _, data = tiny
-    wide = save_hf_dir(Transformer(tiny_model_config(vocab_size=VOCAB_SIZE + 8)), tmp_path / "wide",
-                       tokenizer=tiny_tokenizer())
+    wide = save_hf_dir(
+        Transformer(tiny_model_config(vocab_size=VOCAB_SIZE + 8)), tmp_path / "wide", tokenizer=tiny_tokenizer()
+    )
     cfg = config(DistillConfig, student, data, tmp_path / "run", f"teacher.name_or_path={wide}", "train.max_steps=1")
     with pytest.raises(VocabMismatchError, match="328 logits per token, student .* has 320"):
         train_distill(cfg)
@@ -59,9 +89,15 @@ def test_vocab_mismatch_fails_clearly(tiny, tmp_path):
     backend = BackendTokenizer(models.BPE())  # same size and specials, different merges
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(["zebra quartz jumps over lazy vexing fox " * 3] * 20, trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    backend.train_from_iterator(
+        ["zebra quartz jumps over lazy vexing fox " * 3] * 20,
+        trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     other = Tokenizer(backend, eos_token="<|im_end|>")
     model = tiny_model()
     if other.vocab_size != VOCAB_SIZE:
@@ -74,8 +110,22 @@ def test_vocab_mismatch_fails_clearly(tiny, tmp_path):
 
 def test_cli_and_bad_config(tiny, tmp_path):
     student, teacher, data = tiny
-    assert main(["distill", f"model.name_or_path={student}", f"teacher.name_or_path={teacher}", f"data.path={data}",
-                 f"out={tmp_path / 'cli'}", "train.max_steps=1", "train.progress=false", "--loss", "jsd"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                f"model.name_or_path={student}",
+                f"teacher.name_or_path={teacher}",
+                f"data.path={data}",
+                f"out={tmp_path / 'cli'}",
+                "train.max_steps=1",
+                "train.progress=false",
+                "--loss",
+                "jsd",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(ConfigError, match=r"loss: unknown loss 'kl' \(choose from forward_kl, reverse_kl, jsd\)"):
         parse_cli_config(DistillConfig, [f"data.path={data}", f"teacher.name_or_path={teacher}", "loss=kl"])
     with pytest.raises(ConfigError, match="teacher model is required"):

@@ -46,8 +46,18 @@ def test_policy_logps_match_transformers_forward(tiny):
 
 def test_dpo_steps_raise_training_pairwise_accuracy(tiny, tmp_path):
     model_dir, data = tiny
-    cfg = config(DPOConfig, model_dir, data, tmp_path / "run", "train.max_steps=12", "train.batch_size=8",
-                 "optim.lr=2e-3", "optim.warmup_ratio=0", "optim.schedule=constant", "beta=0.5")
+    cfg = config(
+        DPOConfig,
+        model_dir,
+        data,
+        tmp_path / "run",
+        "train.max_steps=12",
+        "train.batch_size=8",
+        "optim.lr=2e-3",
+        "optim.warmup_ratio=0",
+        "optim.schedule=constant",
+        "beta=0.5",
+    )
     records = [r for r in read_metrics(train_dpo(cfg)) if "loss" in r]
     assert records[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-4)  # policy == reference before step 1
     assert records[-1]["rewards/accuracies"] == 1.0
@@ -61,8 +71,17 @@ def test_precomputed_and_live_reference_give_the_same_first_step(tiny, tmp_path)
     model_dir, data = tiny
     firsts = []
     for ref in ("precompute", "live"):
-        cfg = config(DPOConfig, model_dir, data, tmp_path / ref, "train.max_steps=2", "train.batch_size=4",
-                     "optim.lr=1e-3", f"reference={ref}", "loss=ipo")
+        cfg = config(
+            DPOConfig,
+            model_dir,
+            data,
+            tmp_path / ref,
+            "train.max_steps=2",
+            "train.batch_size=4",
+            "optim.lr=1e-3",
+            f"reference={ref}",
+            "loss=ipo",
+        )
         records = [r for r in read_metrics(train_dpo(cfg)) if "loss" in r]
         firsts.append(records)
     for a, b in zip(*firsts):  # step 2 too: live reference stays the initial model
@@ -73,8 +92,17 @@ def test_precomputed_and_live_reference_give_the_same_first_step(tiny, tmp_path)
 @pytest.mark.parametrize("loss", sorted(PREFERENCE_LOSSES))
 def test_each_loss_runs_a_step_with_held_out_eval(tiny, tmp_path, loss):
     model_dir, data = tiny
-    cfg = config(DPOConfig, model_dir, data, tmp_path / loss, "train.max_steps=1", "train.batch_size=3",
-                 "data.eval_fraction=0.25", f"loss={loss}", "optim.lr=1e-3")
+    cfg = config(
+        DPOConfig,
+        model_dir,
+        data,
+        tmp_path / loss,
+        "train.max_steps=1",
+        "train.batch_size=3",
+        "data.eval_fraction=0.25",
+        f"loss={loss}",
+        "optim.lr=1e-3",
+    )
     records = read_metrics(train_dpo(cfg))
     before, last = records[0], records[-1]
     assert before["step"] == 0 and before["eval_pairs"] == 2
@@ -86,8 +114,23 @@ def test_each_loss_runs_a_step_with_held_out_eval(tiny, tmp_path, loss):
 
 def test_cli_runs_and_unknown_loss_fails_clearly(tiny, tmp_path, capsys):
     model_dir, data = tiny
-    assert main(["dpo", f"model.name_or_path={model_dir}", f"data.path={data}", f"out={tmp_path / 'cli'}",
-                 "--train.max_steps", "1", "--train.progress", "false", "--loss", "hinge"]) == 0
+    assert (
+        main(
+            [
+                "dpo",
+                f"model.name_or_path={model_dir}",
+                f"data.path={data}",
+                f"out={tmp_path / 'cli'}",
+                "--train.max_steps",
+                "1",
+                "--train.progress",
+                "false",
+                "--loss",
+                "hinge",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "cli" / "final").is_dir()
     with pytest.raises(ConfigError, match=r"loss: unknown loss 'dpoo' \(choose from sigmoid"):
         parse_cli_config(DPOConfig, [f"data.path={data}", "--loss", "dpoo"])
@@ -111,8 +154,17 @@ def test_grad_accum_split_gives_the_same_step(tiny, tmp_path):
     model_dir, data = tiny
     records = []
     for batch, accum in ((4, 1), (2, 2)):
-        cfg = config(DPOConfig, model_dir, data, tmp_path / f"b{batch}", "train.max_steps=2", f"train.batch_size={batch}",
-                     f"train.grad_accum={accum}", "optim.lr=1e-3", "optim.schedule=constant")
+        cfg = config(
+            DPOConfig,
+            model_dir,
+            data,
+            tmp_path / f"b{batch}",
+            "train.max_steps=2",
+            f"train.batch_size={batch}",
+            f"train.grad_accum={accum}",
+            "optim.lr=1e-3",
+            "optim.schedule=constant",
+        )
         records.append([r for r in read_metrics(train_dpo(cfg)) if "loss" in r])
     for a, b in zip(*records):  # same pairs per step (the stream's order does not depend on the batch size)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

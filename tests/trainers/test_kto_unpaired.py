@@ -23,8 +23,13 @@ def unpaired_rows() -> list[dict]:
     rows = []
     for n, (a, b) in enumerate(PAIRS + [(b, a) for a, b in PAIRS]):
         good = n % 3 != 2
-        rows.append({"prompt": f"What is {a} plus {b}?",
-                     "completion": f" The answer is {a + b}." if good else f" The sky is blue {a}.", "label": good})
+        rows.append(
+            {
+                "prompt": f"What is {a} plus {b}?",
+                "completion": f" The answer is {a + b}." if good else f" The sky is blue {a}.",
+                "label": good,
+            }
+        )
     return rows
 
 
@@ -47,15 +52,29 @@ def test_fixed_batches_cover_every_row_and_kl_rows_rotate_within_a_batch():
     kl = kl_rows(rows, [[3, 0, 4], [1, 2]], max_length=64)
     # TRL: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}) within each batch
     for prompt_of, completion_of in ((3, 4), (0, 3), (4, 0), (1, 2), (2, 1)):
-        assert kl[prompt_of].input_ids == [100 + prompt_of, 200 + prompt_of] + [300 + completion_of] * (completion_of + 1)
+        assert kl[prompt_of].input_ids == [100 + prompt_of, 200 + prompt_of] + [300 + completion_of] * (
+            completion_of + 1
+        )
         assert kl[prompt_of].labels[:2] == [IGNORE_INDEX] * 2
 
 
 def test_kto_run_on_mixed_labels_logs_class_metrics_and_held_out_eval(tiny, tmp_path):
     model_dir, data = tiny
-    cfg = config(DPOConfig, model_dir, data, tmp_path / "run", "loss=kto", "train.max_steps=8", "train.batch_size=4",
-                 "data.eval_fraction=0.25", "optim.lr=2e-3", "optim.warmup_ratio=0", "optim.schedule=constant",
-                 "beta=0.5", "undesirable_weight=1.2")
+    cfg = config(
+        DPOConfig,
+        model_dir,
+        data,
+        tmp_path / "run",
+        "loss=kto",
+        "train.max_steps=8",
+        "train.batch_size=4",
+        "data.eval_fraction=0.25",
+        "optim.lr=2e-3",
+        "optim.warmup_ratio=0",
+        "optim.schedule=constant",
+        "beta=0.5",
+        "undesirable_weight=1.2",
+    )
     run_dir = train_dpo(cfg)
     report = json.loads((run_dir / "data_report.json").read_text())
     assert report["format"] == "unpaired_preference" and (report["desirable"], report["undesirable"]) == (11, 5)
@@ -79,8 +98,18 @@ def test_precomputed_and_live_reference_agree(tiny, tmp_path):
     model_dir, data = tiny
     runs = []
     for ref in ("precompute", "live"):
-        cfg = config(DPOConfig, model_dir, data, tmp_path / ref, "loss=kto", f"reference={ref}", "train.max_steps=2",
-                     "train.batch_size=5", "optim.lr=1e-3", "data.eval_fraction=0.2")
+        cfg = config(
+            DPOConfig,
+            model_dir,
+            data,
+            tmp_path / ref,
+            "loss=kto",
+            f"reference={ref}",
+            "train.max_steps=2",
+            "train.batch_size=5",
+            "optim.lr=1e-3",
+            "data.eval_fraction=0.2",
+        )
         runs.append([r for r in read_metrics(train_dpo(cfg)) if "loss" in r or "eval_loss" in r])
     for a, b in zip(*runs):
         for key in ("loss", "kl", "eval_loss"):
@@ -90,16 +119,34 @@ def test_precomputed_and_live_reference_agree(tiny, tmp_path):
 
 def test_cli_reads_an_unpaired_file(tiny, tmp_path):
     model_dir, data = tiny
-    assert main(["dpo", "--loss", "kto", f"data.path={data}", f"model.name_or_path={model_dir}",
-                 f"out={tmp_path / 'cli'}", "--train.max_steps", "1", "--train.batch_size", "4",
-                 "--train.progress", "false"]) == 0
+    assert (
+        main(
+            [
+                "dpo",
+                "--loss",
+                "kto",
+                f"data.path={data}",
+                f"model.name_or_path={model_dir}",
+                f"out={tmp_path / 'cli'}",
+                "--train.max_steps",
+                "1",
+                "--train.batch_size",
+                "4",
+                "--train.progress",
+                "false",
+            ]
+        )
+        == 0
+    )
     assert "kl" in read_metrics(tmp_path / "cli")[-1]
 
 
 def test_other_losses_refuse_an_unpaired_file_before_loading_a_model(tiny, tmp_path):
     _, data = tiny
     cfg = config(DPOConfig, tmp_path / "no-such-model", data, tmp_path / "run", "loss=sigmoid")
-    with pytest.raises(DataError, match=r"unpaired rows \(prompt/completion/label\) train only loss=kto; loss='sigmoid'"):
+    with pytest.raises(
+        DataError, match=r"unpaired rows \(prompt/completion/label\) train only loss=kto; loss='sigmoid'"
+    ):
         train_dpo(cfg)
 
 
@@ -111,9 +158,13 @@ def test_label_that_is_not_a_bool_is_reported_with_file_and_line(tiny, tmp_path)
     one_bad = write_jsonl(tmp_path / "one_bad.jsonl", rows)
     data = load_unpaired(DataConfig(path=str(one_bad)), tok, seed=0, batch_size=4)
     assert len(data.train) == 31
-    assert data.report["bad_rows"] == [{"location": f"{one_bad}:5", "reason": "field 'label' must be true/false, got 'yes'"}]
+    assert data.report["bad_rows"] == [
+        {"location": f"{one_bad}:5", "reason": "field 'label' must be true/false, got 'yes'"}
+    ]
 
-    many_bad = write_jsonl(tmp_path / "many_bad.jsonl", [{**r, "label": "no"} if i % 2 else r for i, r in enumerate(rows)])
+    many_bad = write_jsonl(
+        tmp_path / "many_bad.jsonl", [{**r, "label": "no"} if i % 2 else r for i, r in enumerate(rows)]
+    )
     with pytest.raises(DataError, match=r"many_bad\.jsonl:2: field 'label' must be true/false, got 'no'"):
         load_unpaired(DataConfig(path=str(many_bad)), tok, seed=0, batch_size=4)
 

@@ -40,9 +40,12 @@ class FusedHead:
         self.model = model
 
     @torch.no_grad()
-    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                 **_: object) -> SimpleNamespace:
-        logp = torch.log_softmax(self.model(input_ids, attention_mask=attention_mask)[:, :-1].float(), -1)  # (B, T-1, V)
+    def __call__(
+        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **_: object
+    ) -> SimpleNamespace:
+        logp = torch.log_softmax(
+            self.model(input_ids, attention_mask=attention_mask)[:, :-1].float(), -1
+        )  # (B, T-1, V)
         target = labels[:, 1:]  # (B, T-1)
         picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
         log_probs = torch.where(target != -100, picked, torch.zeros(()))
@@ -63,8 +66,16 @@ def test_one_unpaired_batch_matches_trl_kto_trainer(tmp_path):
     model_dir, _ = setup_dir(tmp_path)
     rows = unpaired_rows()
     data_path = write_jsonl(tmp_path / "unpaired.jsonl", rows)
-    cfg: DPOConfig = config(DPOConfig, model_dir, data_path, tmp_path / "unused", "loss=kto", f"train.batch_size={BATCH}",
-                            "beta=0.3", "undesirable_weight=1.4")
+    cfg: DPOConfig = config(
+        DPOConfig,
+        model_dir,
+        data_path,
+        tmp_path / "unused",
+        "loss=kto",
+        f"train.batch_size={BATCH}",
+        "beta=0.3",
+        "undesirable_weight=1.4",
+    )
     model, tok = load_model(model_dir)
     data = load_unpaired(cfg.data, tok, seed=0, batch_size=BATCH)
     batch = next(b for b in data.train.batches if 0 < sum(rows[i]["label"] for i in b) < BATCH)  # both labels
@@ -85,13 +96,18 @@ def test_one_unpaired_batch_matches_trl_kto_trainer(tmp_path):
     trainer.beta, trainer.desirable_weight, trainer.undesirable_weight = 0.3, 1.0, 1.4
     trainer._metrics, trainer._total_train_tokens, trainer._tp_size = new_metrics(), 0, 1
     args = SimpleNamespace(dataset_num_proc=None, per_device_train_batch_size=BATCH, max_length=None)
-    prepared = trainer._prepare_dataset(datasets.Dataset.from_list([rows[i] for i in batch]), trainer._tokenizer,
-                                        args, "eval")
+    prepared = trainer._prepare_dataset(
+        datasets.Dataset.from_list([rows[i] for i in batch]), trainer._tokenizer, args, "eval"
+    )
     for k, i in enumerate(batch):  # TRL's KL sequence k is ours: same prompt, same mismatched completion
         assert prepared[k]["prompt_ids"] + prepared[k]["KL_completion_ids"] == data.train.kl[i].input_ids
     inputs = DataCollatorForUnpairedPreference(pad_token_id=tok.pad_token_id)(
-        [{key: ex[key] for key in ("prompt_ids", "completion_ids", "KL_completion_ids", "label")} for ex in prepared])
-    inputs["ref_logps"], inputs["ref_KL_logps"] = _completion_logps(reference, inputs), _completion_logps(reference, inputs, "KL_")
+        [{key: ex[key] for key in ("prompt_ids", "completion_ids", "KL_completion_ids", "label")} for ex in prepared]
+    )
+    inputs["ref_logps"], inputs["ref_KL_logps"] = (
+        _completion_logps(reference, inputs),
+        _completion_logps(reference, inputs, "KL_"),
+    )
     trl_loss = trainer._compute_loss(FusedHead(model), inputs, return_outputs=False)
 
     torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-4, atol=1e-6)
@@ -99,4 +115,6 @@ def test_one_unpaired_batch_matches_trl_kto_trainer(tmp_path):
     assert sums["kl"] / sums["rows"] == pytest.approx(logged["kl"], rel=1e-4, abs=1e-6)
     assert logged["kl"] > 0.01  # z0 is not clamped to 0 in this batch
     for side in ("chosen", "rejected"):
-        assert sums[f"rewards/{side}"] / sums[f"count/{side}"] == pytest.approx(logged[f"rewards/{side}"], rel=1e-4, abs=1e-5)
+        assert sums[f"rewards/{side}"] / sums[f"count/{side}"] == pytest.approx(
+            logged[f"rewards/{side}"], rel=1e-4, abs=1e-5
+        )

@@ -50,8 +50,15 @@ def test_guard_counts_and_aborts_after_k_in_a_row():
 def sft_overrides(tmp_path: Path) -> list[str]:
     model = save_tiny_model_dir(tmp_path / "model")
     data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"Say {i}.", "completion": f"{i}."} for i in range(8)])
-    return [f"model.name_or_path={model}", f"data.path={data}", "train.progress=false", "train.batch_size=2",
-            "optim.lr=1e-2", "train.max_steps=5", "train.max_bad_steps=2"]
+    return [
+        f"model.name_or_path={model}",
+        f"data.path={data}",
+        "train.progress=false",
+        "train.batch_size=2",
+        "optim.lr=1e-2",
+        "train.max_steps=5",
+        "train.max_bad_steps=2",
+    ]
 
 
 def poison_steps(monkeypatch, steps: set[int]):
@@ -68,6 +75,7 @@ def poison_steps(monkeypatch, steps: set[int]):
         def run(index: int):
             calls["step"] = index + 1
             return step_fn(index)
+
         return run
 
     return advance

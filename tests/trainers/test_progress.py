@@ -126,10 +126,22 @@ def test_the_rl_loop_gives_the_bar_its_time_budget(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "StepProgress", Recording)  # the shared step loop draws the RL bar too
     tok = tokenizer()
-    cfg = load_config(GRPOConfig, None, [
-        f"out={tmp_path / 'run'}", f"reward.functions=[{reward_file(tmp_path)}:char_mix]", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4", "rollout.max_tokens=4", "data.eval_size=0", "train.max_steps=2",
-        "train.max_minutes=5", "log.progress=false", "save_final=false"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"out={tmp_path / 'run'}",
+            f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
+            "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_tokens=4",
+            "data.eval_size=0",
+            "train.max_steps=2",
+            "train.max_minutes=5",
+            "log.progress=false",
+            "save_final=false",
+        ],
+    )
     before = time.perf_counter()
     rl.train_grpo(cfg, model=tiny_model(tok), tokenizer=tok)
     (bar,) = seen

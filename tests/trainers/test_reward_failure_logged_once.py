@@ -12,11 +12,14 @@ from posttrain.trainers.rl import rl_step, setup_run
 from posttrain.trainers.rl.config import GRPOConfig
 from tests.trainers.rl_helpers import REWARD_SOURCE, tiny_model, tokenizer
 
-BROKEN_JUDGE = REWARD_SOURCE + '''
+BROKEN_JUDGE = (
+    REWARD_SOURCE
+    + """
 
 def judge(completions, **kwargs):
     raise ConnectionError("judge server down")
-'''
+"""
+)
 
 
 def _warnings_about(caplog, name: str) -> list[logging.LogRecord]:
@@ -28,9 +31,14 @@ def test_a_raising_reward_warns_once_across_training_and_evaluation(tmp_path: Pa
     rewards.write_text(BROKEN_JUDGE)
     tok = tokenizer()
     overrides = [
-        f"reward.functions=[{rewards}:char_mix,{rewards}:judge]", "reward.weights=[1.0,0.0]",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=4",
-        "train.minibatch_size=4", "data.eval_size=2", "log.progress=false",
+        f"reward.functions=[{rewards}:char_mix,{rewards}:judge]",
+        "reward.weights=[1.0,0.0]",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "rollout.max_tokens=4",
+        "train.minibatch_size=4",
+        "data.eval_size=2",
+        "log.progress=false",
     ]
     cfg = load_config(GRPOConfig, None, [f"out={tmp_path / 'run'}", *overrides])
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
@@ -46,8 +54,12 @@ def test_a_raising_reward_warns_once_across_training_and_evaluation(tmp_path: Pa
 
     # another run builds its specs anew, and warns again
     caplog.clear()
-    again = setup_run(load_config(GRPOConfig, None, [f"out={tmp_path / 'again'}", *overrides]), "grpo",
-                      model=tiny_model(tok), tokenizer=tok)
+    again = setup_run(
+        load_config(GRPOConfig, None, [f"out={tmp_path / 'again'}", *overrides]),
+        "grpo",
+        model=tiny_model(tok),
+        tokenizer=tok,
+    )
     with caplog.at_level(logging.WARNING, logger="posttrain.rewards.combine"):
         rl_step(again, 1)
     assert len(_warnings_about(caplog, f"{rewards}:judge")) == 1

@@ -23,8 +23,17 @@ def test_bradley_terry_loss_values():
 
 def test_rm_accuracy_rises_and_saved_model_scores_through_scorer(tmp_path):
     model_dir, data = setup_dir(tmp_path)
-    cfg = config(RMConfig, model_dir, data, tmp_path / "run", "train.max_steps=10", "train.batch_size=8",
-                 "optim.lr=3e-3", "optim.warmup_ratio=0", "optim.schedule=constant")
+    cfg = config(
+        RMConfig,
+        model_dir,
+        data,
+        tmp_path / "run",
+        "train.max_steps=10",
+        "train.batch_size=8",
+        "optim.lr=3e-3",
+        "optim.warmup_ratio=0",
+        "optim.schedule=constant",
+    )
     run_dir = train_reward_model(cfg)
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert records[-1]["accuracy"] == 1.0 and records[-1]["accuracy"] > records[0]["accuracy"] - 1e-9
@@ -41,8 +50,20 @@ def test_rm_accuracy_rises_and_saved_model_scores_through_scorer(tmp_path):
 
 def test_rm_held_out_eval_and_cli(tmp_path):
     model_dir, data = setup_dir(tmp_path)
-    assert main(["rm", f"model.name_or_path={model_dir}", f"data.path={data}", f"out={tmp_path / 'cli'}",
-                 "train.max_steps=1", "train.progress=false", "data.eval_fraction=0.25"]) == 0
+    assert (
+        main(
+            [
+                "rm",
+                f"model.name_or_path={model_dir}",
+                f"data.path={data}",
+                f"out={tmp_path / 'cli'}",
+                "train.max_steps=1",
+                "train.progress=false",
+                "data.eval_fraction=0.25",
+            ]
+        )
+        == 0
+    )
     records = read_metrics(tmp_path / "cli")
     assert records[0]["step"] == 0 and records[0]["eval_pairs"] == 2 and "eval_accuracy" in records[-1]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi", "rejected": " no"}] * 3)

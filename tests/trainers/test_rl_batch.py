@@ -14,9 +14,17 @@ from tests.trainers.rl_helpers import tiny_model, tokenizer
 
 
 def _small_vocab_model() -> Transformer:
-    cfg = ModelConfig(model_type="llama", hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, vocab_size=97, head_dim=8,
-                      max_position_embeddings=256)
+    cfg = ModelConfig(
+        model_type="llama",
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=97,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     return Transformer(cfg).eval()
 
@@ -57,7 +65,7 @@ def test_packed_forward_matches_per_sample_forward(temperature: float) -> None:
         reference = per_sample_logprobs(model, flat_prompts, flat_completions, temperature)
     for b, ref in enumerate(reference):  # the same logprobs up to the sums' order (tests/numeric.py)
         assert_reordered(out.logprobs[b, : len(ref)], ref)
-        assert out.logprobs[b, len(ref):].abs().sum() == 0
+        assert out.logprobs[b, len(ref) :].abs().sum() == 0
     assert torch.isfinite(out.entropy).all()
 
 
@@ -95,14 +103,24 @@ def test_selecting_groups_of_a_pack_is_packing_them_alone() -> None:
     the tensors `pack_groups` builds from those groups: nothing is packed twice."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 2, 7, 3)]
-    completions = [[torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
-                   for lengths in ((3, 1, 4), (6, 2, 2), (1, 1, 5), (2, 7, 3))]
+    completions = [
+        [torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
+        for lengths in ((3, 1, 4), (6, 2, 2), (1, 1, 5), (2, 7, 3))
+    ]
     pack = pack_groups(prompts, completions)
     for groups in ([0], [1, 3], [0, 2, 3], [2], [0, 1, 2, 3]):
         selected = pack.select(groups)
         alone = pack_groups([prompts[g] for g in groups], [completions[g] for g in groups])
-        for name in ("input_ids", "positions", "mask", "gather_index", "labels", "sample_index", "token_index",
-                     "completion_mask"):
+        for name in (
+            "input_ids",
+            "positions",
+            "mask",
+            "gather_index",
+            "labels",
+            "sample_index",
+            "token_index",
+            "completion_mask",
+        ):
             a, b = getattr(selected, name), getattr(alone, name)
             assert a.dtype == b.dtype and torch.equal(a, b), (groups, name)
         assert selected.num_input_tokens == alone.num_input_tokens

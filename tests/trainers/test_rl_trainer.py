@@ -14,9 +14,8 @@ from posttrain.cli import main as cli_main
 from posttrain.config import load_config
 from posttrain.engine import SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
-from posttrain.trainers.rl import rl_step, setup_run, train_grpo
+from posttrain.trainers.rl import rl_step, setup_run, train_grpo, train_ppo
 from posttrain.trainers.rl.config import ALGORITHMS, GRPOConfig, PPOConfig
-from posttrain.trainers.rl import train_ppo
 from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,9 +28,15 @@ def tok():
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [
-        f"out={tmp_path / name}", f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
-        "data.eval_size=0", "log.progress=false", "dapo.overlong_cache_len=4", *extra,
+        f"out={tmp_path / name}",
+        f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_tokens=6",
+        "data.eval_size=0",
+        "log.progress=false",
+        "dapo.overlong_cache_len=4",
+        *extra,
     ]
 
 
@@ -70,8 +75,12 @@ def test_every_preset_steps_without_nan(tmp_path: Path, tok, algorithm: str) -> 
 
 
 def test_dapo_drops_zero_variance_groups_and_refills(tmp_path: Path, tok) -> None:
-    extra = ["algorithm=dapo", f"reward.functions=[{reward_file(tmp_path)}:parity_gated]",
-             "rollout.prompts_per_step=4", "dapo.max_refill_rounds=2"]
+    extra = [
+        "algorithm=dapo",
+        f"reward.functions=[{reward_file(tmp_path)}:parity_gated]",
+        "rollout.prompts_per_step=4",
+        "dapo.max_refill_rounds=2",
+    ]
     cfg = load_config(GRPOConfig, None, _overrides(tmp_path, "dapo-refill", *extra))
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     metrics = rl_step(run, 1)
@@ -98,8 +107,14 @@ ENGINE_DENSE_LOGPROB_TOL = 1e-4
 
 @pytest.mark.parametrize("old_logprobs", ["recompute", "rollout"])
 def test_kl_in_reward_and_tis(tmp_path: Path, tok, old_logprobs: str) -> None:
-    extra = ["kl.beta=0.1", "kl.in_reward=true", "kl.estimator=k1", "train.tis_cap=2.0",
-             f"train.old_logprobs={old_logprobs}", "train.epochs=2"]
+    extra = [
+        "kl.beta=0.1",
+        "kl.in_reward=true",
+        "kl.estimator=k1",
+        "train.tis_cap=2.0",
+        f"train.old_logprobs={old_logprobs}",
+        "train.epochs=2",
+    ]
     cfg = load_config(GRPOConfig, None, _overrides(tmp_path, f"klr-{old_logprobs}", *extra))
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     metrics = rl_step(run, 1)
@@ -130,8 +145,14 @@ def test_lora_trains_adapters_with_the_base_as_reference(tmp_path: Path, tok) ->
 
 
 def test_ppo_value_loss_falls(tmp_path: Path, tok) -> None:
-    extra = ["optim.lr=1e-6", "ppo.value_lr=3e-2", "train.epochs=2", "train.minibatch_size=4",
-             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2"]
+    extra = [
+        "optim.lr=1e-6",
+        "ppo.value_lr=3e-2",
+        "train.epochs=2",
+        "train.minibatch_size=4",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=2",
+    ]
     cfg = load_config(PPOConfig, None, _overrides(tmp_path, "ppo", *extra))
     run = setup_run(cfg, "ppo", model=tiny_model(tok), tokenizer=tok)
     losses = [rl_step(run, step)["loss/value"] for step in range(1, 6)]
@@ -146,10 +167,25 @@ def test_train_grpo_end_to_end_writes_the_run(tmp_path: Path, tok) -> None:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("reward/std", "zero_variance_frac", "entropy", "clip_frac/low", "clip_frac/high", "approx_kl",
-                "response_len/mean", "response_len/max", "response_len/clipped_frac", "reward/unscorable",
-                "tokens/rollout_per_s", "tokens/train_per_s", "time/rollout_s", "time/reward_s", "time/update_s",
-                "memory/peak_rss_gb", "policy_version"):
+    for key in (
+        "reward/std",
+        "zero_variance_frac",
+        "entropy",
+        "clip_frac/low",
+        "clip_frac/high",
+        "approx_kl",
+        "response_len/mean",
+        "response_len/max",
+        "response_len/clipped_frac",
+        "reward/unscorable",
+        "tokens/rollout_per_s",
+        "tokens/train_per_s",
+        "time/rollout_s",
+        "time/reward_s",
+        "time/update_s",
+        "memory/peak_rss_gb",
+        "policy_version",
+    ):
         assert key in steps[-1], key
     assert sum("eval/accuracy" in r for r in records) == 2  # before and after
     assert (run_dir / "final" / "config.json").is_file() and (run_dir / "summary.json").is_file()
@@ -203,15 +239,22 @@ def test_dataset_without_prompt_column_fails_first(monkeypatch, tmp_path: Path) 
     _fails_before_compute(monkeypatch, tmp_path, bad, "no prompt column 'prompt'")
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["rollout.prompts_per_step=3", "rollout.samples_per_prompt=4", "train.minibatch_size=6"],
-     "not a whole number of groups of rollout.samples_per_prompt=4"),
-    (["rollout.prompts_per_step=3", "rollout.samples_per_prompt=4", "train.minibatch_size=8"],
-     "does not divide the rollout batch of 3 prompts x 4 samples = 12"),
-    (["train.minibatch_size=8", "train.micro_batch_size=12"], "micro_batch_size=12"),
-    (["algorithm=ppo"], "algorithm 'ppo' is not one of"),
-    (["loss.clip_eps_low=0.1", "loss.clip_eps_high=0.3"], "clips symmetrically"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=4", "train.minibatch_size=6"],
+            "not a whole number of groups of rollout.samples_per_prompt=4",
+        ),
+        (
+            ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=4", "train.minibatch_size=8"],
+            "does not divide the rollout batch of 3 prompts x 4 samples = 12",
+        ),
+        (["train.minibatch_size=8", "train.micro_batch_size=12"], "micro_batch_size=12"),
+        (["algorithm=ppo"], "algorithm 'ppo' is not one of"),
+        (["loss.clip_eps_low=0.1", "loss.clip_eps_high=0.3"], "clips symmetrically"),
+    ],
+)
 def test_batch_shape_errors_name_the_keys(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(GRPOConfig, None, overrides)

@@ -36,13 +36,21 @@ def data_file(tmp_path_factory) -> Path:
 
 def chat_rows(n: int = len(QA)):
     tok = tiny_tokenizer()
-    return [tokenize_sft(tok, PromptCompletion([{"role": "user", "content": q}], [{"role": "assistant", "content": a}]))
-            for q, a in QA[:n]]
+    return [
+        tokenize_sft(tok, PromptCompletion([{"role": "user", "content": q}], [{"role": "assistant", "content": a}]))
+        for q, a in QA[:n]
+    ]
 
 
 def base_overrides(model_dir: Path, data_file: Path, out: Path) -> list[str]:
-    return [f"model.name_or_path={model_dir}", f"data.path={data_file}", "data.columns={prompt: question, completion: answer}",
-            "data.as_chat=true", f"out={out}", "train.progress=false"]
+    return [
+        f"model.name_or_path={model_dir}",
+        f"data.path={data_file}",
+        "data.columns={prompt: question, completion: answer}",
+        "data.as_chat=true",
+        f"out={out}",
+        "train.progress=false",
+    ]
 
 
 def test_sft_loss_and_gradients_equal_transformers(model_dir):
@@ -96,9 +104,17 @@ def test_grad_accumulation_through_the_trainer(model_dir, data_file, tmp_path):
     lr = 1e-2
 
     def final_weights(batch_size: int, grad_accum: int) -> dict[str, torch.Tensor]:
-        cfg = load_config(SFTConfig, overrides=base_overrides(model_dir, data_file, tmp_path / f"run{batch_size}") + [
-            f"train.batch_size={batch_size}", f"train.grad_accum={grad_accum}", "train.max_steps=2", f"optim.lr={lr}",
-            f"optim.eps={EQUIVALENCE_EPS}"])  # AdamW's gain on the gradients' rounding (tests/numeric.py)
+        cfg = load_config(
+            SFTConfig,
+            overrides=base_overrides(model_dir, data_file, tmp_path / f"run{batch_size}")
+            + [
+                f"train.batch_size={batch_size}",
+                f"train.grad_accum={grad_accum}",
+                "train.max_steps=2",
+                f"optim.lr={lr}",
+                f"optim.eps={EQUIVALENCE_EPS}",
+            ],
+        )  # AdamW's gain on the gradients' rounding (tests/numeric.py)
         run = train_sft(cfg)
         model, _ = load_model(run / "final", device="cpu")
         return model.state_dict()
@@ -111,8 +127,11 @@ def test_grad_accumulation_through_the_trainer(model_dir, data_file, tmp_path):
 
 
 def test_loss_falls_when_overfitting_a_few_rows(model_dir, data_file, tmp_path):
-    cfg = load_config(SFTConfig, overrides=base_overrides(model_dir, data_file, tmp_path / "run") + [
-        "data.max_rows=4", "train.batch_size=4", "train.max_steps=20", "optim.lr=1e-2", "optim.schedule=constant"])
+    cfg = load_config(
+        SFTConfig,
+        overrides=base_overrides(model_dir, data_file, tmp_path / "run")
+        + ["data.max_rows=4", "train.batch_size=4", "train.max_steps=20", "optim.lr=1e-2", "optim.schedule=constant"],
+    )
     records = read_metrics(train_sft(cfg))
     assert [r["step"] for r in records] == list(range(1, 21))
     assert records[-1]["loss"] < 0.3 * records[0]["loss"]
@@ -121,8 +140,18 @@ def test_loss_falls_when_overfitting_a_few_rows(model_dir, data_file, tmp_path):
 def test_cli_end_to_end(model_dir, data_file, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "run"
-    code = cli_main(["sft", *base_overrides(model_dir, data_file, out), "train.batch_size=2", "train.max_steps=3",
-                     "--train.save_every", "2", "data.eval_fraction=0.25", "optim.warmup_steps=1"])
+    code = cli_main(
+        [
+            "sft",
+            *base_overrides(model_dir, data_file, out),
+            "train.batch_size=2",
+            "train.max_steps=3",
+            "--train.save_every",
+            "2",
+            "data.eval_fraction=0.25",
+            "optim.warmup_steps=1",
+        ]
+    )
     assert code == 0
     assert capsys.readouterr().out.strip() == str(out)
     config = load_config(SFTConfig, out / "config.yaml")  # the saved config reloads as the same config

@@ -21,7 +21,10 @@ def test_param_groups_decay_matrices_only_and_count_tied_weights_once():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
-    assert len(ids) == len(set(ids)) and sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_parameters()
+    assert (
+        len(ids) == len(set(ids))
+        and sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_parameters()
+    )
     model.embed_tokens.weight.requires_grad_(False)  # frozen parameters are left out
     assert all(p is not model.embed_tokens.weight for g in param_groups(model, 0.1) for p in g["params"])
 
@@ -87,9 +90,18 @@ def test_run_steps_logs_records_saves_and_evaluates(tmp_path):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
     saved = []
     with MetricsLogger(tmp_path) as metrics:
-        last = run_steps(lambda step: {"loss": 1.0 / (step + 1), "tokens": 100}, max_steps=5, optimizer=optimizer,
-                         metrics=metrics, log_every=2, save_every=2, save_fn=saved.append,
-                         eval_every=4, eval_fn=lambda: {"eval_loss": 0.25}, progress=False)
+        last = run_steps(
+            lambda step: {"loss": 1.0 / (step + 1), "tokens": 100},
+            max_steps=5,
+            optimizer=optimizer,
+            metrics=metrics,
+            log_every=2,
+            save_every=2,
+            save_fn=saved.append,
+            eval_every=4,
+            eval_fn=lambda: {"eval_loss": 0.25},
+            progress=False,
+        )
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [2, 4, 5]
     assert records[0]["loss"] == 0.5 and records[0]["lr"] == 0.5 and records[0]["tokens/train_per_s"] > 0
@@ -99,8 +111,13 @@ def test_run_steps_logs_records_saves_and_evaluates(tmp_path):
 
 def test_run_steps_progress_bar_shows_the_trainers_headline_metrics(capsys):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-    run_steps(lambda step: {"loss": 0.5, "tokens": 10, "rewards/accuracies": 0.75}, max_steps=2,
-              optimizer=optimizer, progress=True, postfix={"acc": "rewards/accuracies", "margin": "absent"})
+    run_steps(
+        lambda step: {"loss": 0.5, "tokens": 10, "rewards/accuracies": 0.75},
+        max_steps=2,
+        optimizer=optimizer,
+        progress=True,
+        postfix={"acc": "rewards/accuracies", "margin": "absent"},
+    )
     bar = capsys.readouterr().err
     assert "acc=0.75" in bar and "loss=0.5000" in bar and "margin" not in bar
 
@@ -154,8 +171,9 @@ def test_run_steps_stops_when_asked_and_keeps_what_a_step_measured_itself(tmp_pa
         return steps_done == 3
 
     with MetricsLogger(tmp_path) as metrics:
-        last = run_steps(step, max_steps=10, optimizer=optimizer, metrics=metrics, progress=False, should_stop=stop,
-                         start_step=1)
+        last = run_steps(
+            step, max_steps=10, optimizer=optimizer, metrics=metrics, progress=False, should_stop=stop, start_step=1
+        )
     records = read_metrics(tmp_path)
     assert asked == [1, 2, 3] and [r["step"] for r in records] == [2, 3] and last["loss"] == 1.0
     assert records[0]["skipped"] == 1 and "tokens/train_per_s" not in records[0] and records[0]["lr"] == 0.5

@@ -25,8 +25,9 @@ def tok():
 def _groups(num_groups: int, G: int) -> tuple[list[list[int]], list[list[list[int]]]]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (3 + g,), generator=gen).tolist() for g in range(num_groups)]
-    completions = [[torch.randint(3, 200, (1 + (g + j) % 4,), generator=gen).tolist() for j in range(G)]
-                   for g in range(num_groups)]
+    completions = [
+        [torch.randint(3, 200, (1 + (g + j) % 4,), generator=gen).tolist() for j in range(G)] for g in range(num_groups)
+    ]
     return prompts, completions
 
 
@@ -66,9 +67,16 @@ def test_only_a_loss_without_other_terms_skips() -> None:
 
 def _run(tmp_path: Path, tok, name: str, *extra: str):
     overrides = [
-        f"out={tmp_path / name}", f"reward.functions=[{reward_file(tmp_path)}:parity_gated]",
-        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
-        "data.eval_size=0", "log.progress=false", "optim.lr=1e-2", "dapo.dynamic_sampling=false", *extra,
+        f"out={tmp_path / name}",
+        f"reward.functions=[{reward_file(tmp_path)}:parity_gated]",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_tokens=6",
+        "data.eval_size=0",
+        "log.progress=false",
+        "optim.lr=1e-2",
+        "dapo.dynamic_sampling=false",
+        *extra,
     ]
     cfg = load_config(GRPOConfig, None, overrides)
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
@@ -76,11 +84,14 @@ def _run(tmp_path: Path, tok, name: str, *extra: str):
     return run, metrics
 
 
-@pytest.mark.parametrize("algorithm, batching", [
-    ("grpo", ["train.micro_batch_size=4"]),  # one group per micro-batch, one optimizer step
-    ("dr_grpo", ["train.minibatch_size=4", "train.epochs=2"]),  # whole minibatches of dead groups
-    ("gspo", ["train.epochs=2"]),  # one micro-batch, trimmed of its dead groups
-])
+@pytest.mark.parametrize(
+    "algorithm, batching",
+    [
+        ("grpo", ["train.micro_batch_size=4"]),  # one group per micro-batch, one optimizer step
+        ("dr_grpo", ["train.minibatch_size=4", "train.epochs=2"]),  # whole minibatches of dead groups
+        ("gspo", ["train.epochs=2"]),  # one micro-batch, trimmed of its dead groups
+    ],
+)
 def test_skipping_changes_nothing_but_the_work(tmp_path: Path, tok, algorithm: str, batching: list[str]) -> None:
     """parity_gated scores every odd-answer group 0.0 across the board: those groups are dead.
 

@@ -44,13 +44,34 @@ LANES = 8  # head_dim must be a multiple of the kernel's vector width
 # dies of SIGILL on its first call, so `library` refuses such a build instead.
 _V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
-X86_LEVELS = {"x86-64-v2": _V2, "x86-64-v3": _V3, "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
-                                                                     "avx512vl"}}
+X86_LEVELS = {
+    "x86-64-v2": _V2,
+    "x86-64-v3": _V3,
+    "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # the argument types of each function the library exports; all return void
-    "paged_decode_attention": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
-                               _i64, _i64, _f32, _int],
+    "paged_decode_attention": [
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _f32,
+        _int,
+    ],
     "paged_write_kv": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
@@ -71,14 +92,21 @@ def library() -> ctypes.CDLL | None:
         return None
     march = target_march()
     if runs_here(march) is False:
-        logger.warning("posttrain: %s=%s names an instruction set this CPU lacks; the native CPU kernels are not "
-                       "used (the engine runs them in PyTorch)", MARCH_ENV, march)
+        logger.warning(
+            "posttrain: %s=%s names an instruction set this CPU lacks; the native CPU kernels are not "
+            "used (the engine runs them in PyTorch)",
+            MARCH_ENV,
+            march,
+        )
         return None
     try:
         lib = ctypes.CDLL(str(_build(march)))
     except (KernelBuildError, OSError) as e:
-        logger.warning("posttrain: native CPU kernels unavailable, the engine's decode attention, elementwise ops "
-                       "and sampling run in PyTorch (slower): %s", e)
+        logger.warning(
+            "posttrain: native CPU kernels unavailable, the engine's decode attention, elementwise ops "
+            "and sampling run in PyTorch (slower): %s",
+            e,
+        )
         return None
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
@@ -98,29 +126,54 @@ def runs_here(march: str) -> bool | None:
         return True
     if march not in X86_LEVELS or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    flags = next((line.split(":", 1)[1].split() for line in _cpu_identity().decode().splitlines()
-                  if line.startswith("flags")), None)
+    flags = next(
+        (line.split(":", 1)[1].split() for line in _cpu_identity().decode().splitlines() if line.startswith("flags")),
+        None,
+    )
     return None if flags is None else X86_LEVELS[march] <= set(flags)
 
 
 def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the kernels take this layer: fp32 on CPU, K/V heads in the (2, blocks, bs, Hkv, D) pool."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype == torch.float32
-            and cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[-1] % LANES == 0
-            and cache.is_contiguous() and library() is not None)
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and cache.dtype == torch.float32
+        and cache.dim() == 5
+        and cache.shape[0] == 2
+        and cache.shape[-1] % LANES == 0
+        and cache.is_contiguous()
+        and library() is not None
+    )
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """cache (2, num_blocks, bs, Hkv, D) gets k, v (N, Hkv, D) at the flat slots (N,); slots < 0 skipped."""
     k, v, slots = k.contiguous(), v.contiguous(), slots.to(torch.int64).contiguous()
     num_slots = cache.shape[1] * cache.shape[2]
-    library().paged_write_kv(cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(),
-                             num_slots, cache.shape[3] * cache.shape[4], torch.get_num_threads())
+    library().paged_write_kv(
+        cache.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        slots.data_ptr(),
+        slots.numel(),
+        num_slots,
+        cache.shape[3] * cache.shape[4],
+        torch.get_num_threads(),
+    )
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, tables: torch.Tensor,
-                     context_lens: torch.Tensor, rows: torch.Tensor, group_starts: torch.Tensor,
-                     group_shared: torch.Tensor, max_members: int) -> None:
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    out: torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    rows: torch.Tensor,
+    group_starts: torch.Tensor,
+    group_shared: torch.Tensor,
+    max_members: int,
+) -> None:
     """Fill out[rows] with the attention of q[rows] over each sequence's context (paged_decode.c).
 
     q, out (N, H, D) contiguous fp32; tables (S, W), context_lens (S,), rows (S,) int64 for the S
@@ -129,15 +182,32 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, ta
     _, num_blocks, bs, hkv, d = cache.shape
     H = q.shape[1]
     library().paged_decode_attention(
-        q.data_ptr(), cache.data_ptr(), out.data_ptr(), num_blocks, bs, hkv, H // hkv, d, tables.data_ptr(),
-        tables.shape[1], context_lens.data_ptr(), rows.data_ptr(), group_starts.data_ptr(), group_shared.data_ptr(),
-        group_shared.numel(), max_members, d**-0.5, torch.get_num_threads())
+        q.data_ptr(),
+        cache.data_ptr(),
+        out.data_ptr(),
+        num_blocks,
+        bs,
+        hkv,
+        H // hkv,
+        d,
+        tables.data_ptr(),
+        tables.shape[1],
+        context_lens.data_ptr(),
+        rows.data_ptr(),
+        group_starts.data_ptr(),
+        group_shared.data_ptr(),
+        group_shared.numel(),
+        max_members,
+        d**-0.5,
+        torch.get_num_threads(),
+    )
 
 
 def samples_on_cpu(logits: torch.Tensor) -> bool:
     """Whether `sample_rows` takes these (rows, vocab) logits: fp32 on CPU, with the kernels built."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and (
-        library() is not None)
+    return (
+        logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and (library() is not None)
+    )
 
 
 def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +217,16 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tup
     rows, vocab_size = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
-    library().sample_rows(logits.data_ptr(), rows, vocab_size, block, uniforms.data_ptr(), tokens.data_ptr(),
-                          logprobs.data_ptr(), torch.get_num_threads())
+    library().sample_rows(
+        logits.data_ptr(),
+        rows,
+        vocab_size,
+        block,
+        uniforms.data_ptr(),
+        tokens.data_ptr(),
+        logprobs.data_ptr(),
+        torch.get_num_threads(),
+    )
     return tokens, logprobs
 
 
@@ -170,8 +248,9 @@ def _build(march: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", partial], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [compiler, *flags, *map(str, SOURCES), "-o", partial], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             names = ", ".join(path.name for path in SOURCES)
             raise KernelBuildError(f"{compiler} failed on {names} (in {HERE}):\n{done.stderr.strip()}")

@@ -36,8 +36,13 @@ def fused_scope() -> Iterator[None]:
 
 
 def active(x: torch.Tensor) -> bool:
-    return (getattr(_state, "on", False) and not torch.is_grad_enabled() and x.device.type == "cpu"
-            and x.dtype == torch.float32 and library() is not None)
+    return (
+        getattr(_state, "on", False)
+        and not torch.is_grad_enabled()
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and library() is not None
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,19 +50,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x, weight = x.contiguous(), weight.detach().float().contiguous()
     out = torch.empty_like(x)
     d = x.shape[-1]
-    library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps,
-                       torch.get_num_threads())
+    library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, torch.get_num_threads())
     return out
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)); x, delta (..., d) of one shape, weight (d,)."""
     x, delta, weight = x.contiguous(), delta.contiguous(), weight.detach().float().contiguous()
     total, out = torch.empty_like(x), torch.empty_like(x)
     d = x.shape[-1]
-    library().add_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), total.data_ptr(), out.data_ptr(),
-                           x.numel() // d, d, eps, torch.get_num_threads())
+    library().add_rms_norm(
+        x.data_ptr(),
+        delta.data_ptr(),
+        weight.data_ptr(),
+        total.data_ptr(),
+        out.data_ptr(),
+        x.numel() // d,
+        d,
+        eps,
+        torch.get_num_threads(),
+    )
     return total, out
 
 
@@ -69,8 +83,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if cos.numel() != tokens * d or sin.numel() != tokens * d:
         raise ValueError(f"rotary: cos/sin {tuple(cos.shape)} do not match x {tuple(x.shape)}")
     out = torch.empty_like(x)
-    library().rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, d,
-                     torch.get_num_threads())
+    library().rotary(
+        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, d, torch.get_num_threads()
+    )
     return out
 
 

@@ -120,29 +120,42 @@ class DPOConfig:
         return {name: getattr(self, name) for name in LOSS_OPTIONS if getattr(self, name) is not None}
 
     def effective_beta(self) -> float:
-        return self.beta if self.beta is not None else inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters["beta"].default
+        return (
+            self.beta
+            if self.beta is not None
+            else inspect.signature(PREFERENCE_LOSSES[self.loss]).parameters["beta"].default
+        )
 
 
 # ----------------------------------------------------------------------------- the loss
 
 
 def preference_loss(
-    cfg: DPOConfig, policy: torch.Tensor, lengths: torch.Tensor,
-    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None, policy_kl: torch.Tensor | None,
+    cfg: DPOConfig,
+    policy: torch.Tensor,
+    lengths: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+    policy_kl: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured loss on one micro-batch. policy, lengths: (2B,) chosen then rejected."""
     half = policy.shape[0] // 2
     available: dict[str, Any] = {
-        "policy_chosen_logps": policy[:half], "policy_rejected_logps": policy[half:],
-        "chosen_lengths": lengths[:half].to(policy.dtype), "rejected_lengths": lengths[half:].to(policy.dtype),
+        "policy_chosen_logps": policy[:half],
+        "policy_rejected_logps": policy[half:],
+        "chosen_lengths": lengths[:half].to(policy.dtype),
+        "rejected_lengths": lengths[half:].to(policy.dtype),
     }
     if ref is not None:
         available.update(ref_chosen_logps=ref[0], ref_rejected_logps=ref[1])
     if cfg.loss == "kto":
         assert ref is not None
-        available = {"policy_logps": policy, "ref_logps": torch.cat([ref[0], ref[1]]),
-                     "desirable": torch.arange(2 * half, device=policy.device) < half,
-                     "policy_kl_logps": policy_kl, "ref_kl_logps": ref[2]}
+        available = {
+            "policy_logps": policy,
+            "ref_logps": torch.cat([ref[0], ref[1]]),
+            "desirable": torch.arange(2 * half, device=policy.device) < half,
+            "policy_kl_logps": policy_kl,
+            "ref_kl_logps": ref[2],
+        }
     fn = PREFERENCE_LOSSES[cfg.loss]
     params = inspect.signature(fn).parameters
     kwargs = {k: v for k, v in available.items() if k in params}
@@ -178,8 +191,12 @@ class _Sums:
 
 def _nll_parts(policy: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
     half = policy.shape[0] // 2
-    return {"nll_sum/chosen": -float(policy[:half].sum()), "nll_sum/rejected": -float(policy[half:].sum()),
-            "tokens/chosen": float(lengths[:half].sum()), "tokens/rejected": float(lengths[half:].sum())}
+    return {
+        "nll_sum/chosen": -float(policy[:half].sum()),
+        "nll_sum/rejected": -float(policy[half:].sum()),
+        "tokens/chosen": float(lengths[:half].sum()),
+        "tokens/rejected": float(lengths[half:].sum()),
+    }
 
 
 def _finish_nll(raw: dict[str, float]) -> dict[str, float]:
@@ -193,13 +210,18 @@ def _finish_nll(raw: dict[str, float]) -> dict[str, float]:
 class DPORun:
     """The pieces a DPO run holds; `step` and `evaluate` are what the loop calls."""
 
-    def __init__(self, cfg: DPOConfig, model: Transformer, train: list[PairRow], held: list[PairRow], pad_id: int) -> None:
+    def __init__(
+        self, cfg: DPOConfig, model: Transformer, train: list[PairRow], held: list[PairRow], pad_id: int
+    ) -> None:
         self.cfg, self.model, self.train, self.held, self.pad_id = cfg, model, train, held, pad_id
         # Set by `distribute` once the reference logps are taken from the unwrapped initial weights.
         self.parallel: Parallel | None = None
         kto_len = cfg.data.max_length if cfg.loss == "kto" else None
-        self.reference = (Reference(cfg.reference, model, {"train": train, "eval": held}, cfg.train.batch_size,
-                                    pad_id, kto_len) if cfg.uses_reference else None)
+        self.reference = (
+            Reference(cfg.reference, model, {"train": train, "eval": held}, cfg.train.batch_size, pad_id, kto_len)
+            if cfg.uses_reference
+            else None
+        )
 
     def distribute(self, parallel: Parallel) -> None:
         """Run the policy's passes through `parallel` (DDP / FSDP2 hooks) from now on; each rank then takes its
@@ -211,8 +233,9 @@ class DPORun:
     def _policy_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return run_module(self.parallel, self.model, sequence_logps, batch)
 
-    def _forward(self, split: str, idx: Sequence[int], grad: bool) -> tuple[
-            torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, tuple | None]:
+    def _forward(
+        self, split: str, idx: Sequence[int], grad: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, tuple | None]:
         """(loss, loss metrics, policy logps (2B,), completion lengths (2B,), reference logps or None)."""
         pairs = self.train if split == "train" else self.held
         batch = collate_pairs([pairs[i] for i in idx], self.pad_id).to(self.model.device)
@@ -327,9 +350,20 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     if is_main():
         _write_report(run_dir, data.report)
     unit = "rows" if unpaired else "pairs"
-    logger.info("dpo (%s, reference %s): %d train / %d held-out %s of %s (%d bad, skipped); %d steps of %d %s; run dir %s",
-                cfg.loss, cfg.reference if cfg.uses_reference else "none", len(data.train), len(data.eval), unit,
-                data.report["format"], len(data.report["bad_rows"]), max_steps, per_step, unit, run_dir)
+    logger.info(
+        "dpo (%s, reference %s): %d train / %d held-out %s of %s (%d bad, skipped); %d steps of %d %s; run dir %s",
+        cfg.loss,
+        cfg.reference if cfg.uses_reference else "none",
+        len(data.train),
+        len(data.eval),
+        unit,
+        data.report["format"],
+        len(data.report["bad_rows"]),
+        max_steps,
+        per_step,
+        unit,
+        run_dir,
+    )
 
     model.train()
     if unpaired:
@@ -344,7 +378,10 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         run.distribute(parallel)
     optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(
-        optimizer, total_steps=max_steps, schedule=optim_cfg.schedule, min_lr_ratio=optim_cfg.min_lr_ratio,
+        optimizer,
+        total_steps=max_steps,
+        schedule=optim_cfg.schedule,
+        min_lr_ratio=optim_cfg.min_lr_ratio,
         warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
     )
     if unpaired:
@@ -360,9 +397,18 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         return {**out, "grad_norm": grad_norm, "skipped_updates": guard.total}
 
     # Built after the reference took the initial weights: a restore then changes only the policy.
-    checkpointer = Checkpointer("dpo", run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
-                                state={"data": stream, "faults": guard}, keep_last=train_cfg.keep_checkpoints,
-                                parallel=parallel)
+    checkpointer = Checkpointer(
+        "dpo",
+        run_dir,
+        model,
+        tokenizer,
+        cfg.model.name_or_path,
+        optimizer,
+        scheduler,
+        state={"data": stream, "faults": guard},
+        keep_last=train_cfg.keep_checkpoints,
+        parallel=parallel,
+    )
     start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = run.evaluate if data.eval else None
     with main_metrics(run_dir, cfg) as metrics:
@@ -372,9 +418,17 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
                 metrics.log(0, before)
             logger.info("dpo: held-out before training: %s (%d %s)", _held_out_summary(before), len(data.eval), unit)
         last = run_steps(
-            step_fn, max_steps=max_steps, optimizer=optimizer, metrics=metrics, log_every=train_cfg.log_every,
-            save_every=train_cfg.save_every, eval_every=train_cfg.eval_every, eval_fn=eval_fn,
-            save_fn=checkpointer.save, start_step=start_step, progress=train_cfg.progress and is_main(),
+            step_fn,
+            max_steps=max_steps,
+            optimizer=optimizer,
+            metrics=metrics,
+            log_every=train_cfg.log_every,
+            save_every=train_cfg.save_every,
+            eval_every=train_cfg.eval_every,
+            eval_fn=eval_fn,
+            save_fn=checkpointer.save,
+            start_step=start_step,
+            progress=train_cfg.progress and is_main(),
             desc=f"dpo[{cfg.loss}]",
             postfix={"acc": "rewards/accuracies", "margin": "rewards/margins"},
         )

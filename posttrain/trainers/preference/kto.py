@@ -100,11 +100,15 @@ class KTORun:
             # (Evaluation runs every held-out row on every rank: nothing to gather there.)
             policy_kl, ref_kl = all_gather_rows(policy_kl), all_gather_rows(ref_kl)
         desirable = torch.tensor([data.rows[i].desirable for i in idx], device=policy.device)  # (B,) bool
-        loss, metrics = kto_loss(policy, ref, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl,
-                                 **self.cfg.loss_options())
+        loss, metrics = kto_loss(
+            policy, ref, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl, **self.cfg.loss_options()
+        )
         rewards = self.beta * (policy.detach() - ref)  # (B,)
-        sums = {"kl": float(metrics["kl"]) * len(idx), "rows": float(len(idx)),
-                "tokens": float(sum(len(data.rows[i].row) + len(data.kl[i]) for i in idx))}
+        sums = {
+            "kl": float(metrics["kl"]) * len(idx),
+            "rows": float(len(idx)),
+            "tokens": float(sum(len(data.rows[i].row) + len(data.kl[i]) for i in idx)),
+        }
         for side, rows in (("chosen", desirable), ("rejected", ~desirable)):
             sums[f"count/{side}"] = float(rows.sum())
             sums[f"rewards/{side}"] = float(rewards[rows].sum())
@@ -122,8 +126,9 @@ class KTORun:
             return loss * len(idx), sums
 
         # Normalised by the rows of every rank, so W ranks x B/W rows give the gradient of 1 x B.
-        out = accumulate_gradients(rows, loss_sum, all_reduce_count(sum(map(len, rows)), self.model.device),
-                                   self.parallel)
+        out = accumulate_gradients(
+            rows, loss_sum, all_reduce_count(sum(map(len, rows)), self.model.device), self.parallel
+        )
         out = reduce_metrics(out, set(out), self.model.device)  # all sums (and the ranks' parts of the loss)
         return {"loss": out["loss"], **_means(out), "tokens": out["tokens"]}
 
@@ -144,8 +149,12 @@ class KTORun:
 
 def _means(sums: dict[str, float]) -> dict[str, float]:
     """Per-class means (TRL: a class absent from the step is left out), the row-weighted kl and the counts."""
-    out = {"kl": sums["kl"] / sums["rows"], "desirable": sums["count/chosen"], "undesirable": sums["count/rejected"],
-           "rows": sums["rows"]}
+    out = {
+        "kl": sums["kl"] / sums["rows"],
+        "desirable": sums["count/chosen"],
+        "undesirable": sums["count/rejected"],
+        "rows": sums["rows"],
+    }
     for side in ("chosen", "rejected"):
         if sums[f"count/{side}"] > 0:
             for key in ("rewards", "logps"):

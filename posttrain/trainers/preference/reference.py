@@ -41,8 +41,15 @@ class Reference:
     `logps(split, idx, batch)` -> (ref chosen (B,), ref rejected (B,), ref KL rows (B,) or None), on the batch's device.
     """
 
-    def __init__(self, mode: str, policy: Transformer, splits: dict[str, list[PairRow]], batch_size: int,
-                 pad_token_id: int, kto_max_length: int | None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        policy: Transformer,
+        splits: dict[str, list[PairRow]],
+        batch_size: int,
+        pad_token_id: int,
+        kto_max_length: int | None,
+    ) -> None:
         self.mode, self.pad_token_id, self.splits = mode, pad_token_id, splits
         self.kl = {name: kl_rows(p, kto_max_length) for name, p in splits.items() if p} if kto_max_length else {}
         self.model: Transformer | None = None
@@ -58,8 +65,10 @@ class Reference:
                 for name, pairs in splits.items():
                     if not pairs:
                         continue
-                    entry = {"chosen": frozen_logps(policy, [p.chosen for p in pairs], batch_size, pad_token_id),
-                             "rejected": frozen_logps(policy, [p.rejected for p in pairs], batch_size, pad_token_id)}
+                    entry = {
+                        "chosen": frozen_logps(policy, [p.chosen for p in pairs], batch_size, pad_token_id),
+                        "rejected": frozen_logps(policy, [p.rejected for p in pairs], batch_size, pad_token_id),
+                    }
                     if name in self.kl:
                         entry["kl"] = frozen_logps(policy, self.kl[name], batch_size, pad_token_id)
                     self.table[name] = entry
@@ -72,7 +81,9 @@ class Reference:
         (LoRA's base)."""
         return run_module(self.parallel, self.model, fn, *args)
 
-    def logps(self, split: str, idx: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def logps(
+        self, split: str, idx: Sequence[int], batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         device = batch.input_ids.device
         if self.model is None:
             t = self.table[split]
@@ -93,7 +104,9 @@ class UnpairedReference:
     """Reference logps of every row and every KL row of each split, by row index: a precomputed table,
     or a frozen model (a copy, or with LoRA the policy with its adapters off) asked per batch."""
 
-    def __init__(self, mode: str, policy: Transformer, splits: dict[str, KTOSplit], batch_size: int, pad_id: int) -> None:
+    def __init__(
+        self, mode: str, policy: Transformer, splits: dict[str, KTOSplit], batch_size: int, pad_id: int
+    ) -> None:
         self.splits, self.pad_id = splits, pad_id
         self.base_of_policy = has_adapters(policy)
         self.model: Transformer | None = None
@@ -104,8 +117,10 @@ class UnpairedReference:
             return
         with self._weights(policy):
             for name, split in splits.items():
-                self.table[name] = (frozen_logps(policy, [r.row for r in split.rows], batch_size, pad_id),
-                                    frozen_logps(policy, split.kl, batch_size, pad_id))
+                self.table[name] = (
+                    frozen_logps(policy, [r.row for r in split.rows], batch_size, pad_id),
+                    frozen_logps(policy, split.kl, batch_size, pad_id),
+                )
 
     def _weights(self, model: Transformer) -> AbstractContextManager:
         return disable_adapters(model) if self.base_of_policy else nullcontext()

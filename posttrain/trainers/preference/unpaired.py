@@ -63,8 +63,10 @@ def is_unpaired(cfg: DataConfig, loss: str) -> bool:
     if peek_format(cfg) != UNPAIRED_FORMAT:
         return False
     if loss != "kto":
-        raise DataError(f"{cfg.path}: unpaired rows (prompt/completion/label) train only loss=kto; loss={loss!r} "
-                        "needs preference pairs (prompt/chosen/rejected, or chosen/rejected)")
+        raise DataError(
+            f"{cfg.path}: unpaired rows (prompt/completion/label) train only loss=kto; loss={loss!r} "
+            "needs preference pairs (prompt/chosen/rejected, or chosen/rejected)"
+        )
     return True
 
 
@@ -101,13 +103,24 @@ def tokenize_unpaired(tokenizer: Any, example: UnpairedPreference, cfg: DataConf
 def _read_unpaired(cfg: DataConfig, tokenizer: Any, path: str | Path) -> tuple[list[UnpairedRow], dict[str, Any]]:
     loaded = read_examples(cfg, path)
     if loaded.format != UNPAIRED_FORMAT:
-        raise DataError(f"{loaded.source}: rows are {loaded.format!r}, but the training file holds unpaired rows "
-                        f"(prompt/completion/label); give held-out data in the same format")
-    rows = loaded.convert_all(lambda example: tokenize_unpaired(tokenizer, example, cfg),  # type: ignore[arg-type]
-                              cfg.max_bad_row_fraction)
+        raise DataError(
+            f"{loaded.source}: rows are {loaded.format!r}, but the training file holds unpaired rows "
+            f"(prompt/completion/label); give held-out data in the same format"
+        )
+    rows = loaded.convert_all(
+        lambda example: tokenize_unpaired(tokenizer, example, cfg),  # type: ignore[arg-type]
+        cfg.max_bad_row_fraction,
+    )
     desirable = sum(r.desirable for r in rows)
-    report = {"path": str(path), "format": loaded.format, "rows_read": loaded.rows_read, "rows_kept": len(rows),
-              "desirable": desirable, "undesirable": len(rows) - desirable, "bad_rows": [vars(b) for b in loaded.bad.rows]}
+    report = {
+        "path": str(path),
+        "format": loaded.format,
+        "rows_read": loaded.rows_read,
+        "rows_kept": len(rows),
+        "desirable": desirable,
+        "undesirable": len(rows) - desirable,
+        "bad_rows": [vars(b) for b in loaded.bad.rows],
+    }
     return rows, report
 
 
@@ -121,16 +134,25 @@ def check_weights(rows: list[UnpairedRow], desirable_weight: float, undesirable_
     d_low, d_high = n_u * undesirable_weight / n_d, n_u * undesirable_weight / n_d * 1.33
     u_low, u_high = n_d * desirable_weight / n_u / 1.33, n_d * desirable_weight / n_u
     if not (d_low <= desirable_weight <= d_high or u_low <= undesirable_weight <= u_high):
-        logger.warning("kto: %d desirable and %d undesirable training rows; set EITHER desirable_weight in "
-                       "[%.2f, %.2f] or undesirable_weight in [%.2f, %.2f] (KTO paper, eq. 8)",
-                       n_d, n_u, d_low, d_high, u_low, u_high)
+        logger.warning(
+            "kto: %d desirable and %d undesirable training rows; set EITHER desirable_weight in "
+            "[%.2f, %.2f] or undesirable_weight in [%.2f, %.2f] (KTO paper, eq. 8)",
+            n_d,
+            n_u,
+            d_low,
+            d_high,
+            u_low,
+            u_high,
+        )
 
 
 def load_unpaired(cfg: DataConfig, tokenizer: Any, seed: int, batch_size: int) -> UnpairedData:
     """Train and held-out splits (`cfg.eval_path`, or a seeded `cfg.eval_fraction` of `cfg.path`, or none)."""
     if batch_size < 2:
-        raise ConfigError(f"train.batch_size={batch_size}: kto on unpaired rows needs at least 2, since its KL rows "
-                          "pair each prompt with another completion of the same batch")
+        raise ConfigError(
+            f"train.batch_size={batch_size}: kto on unpaired rows needs at least 2, since its KL rows "
+            "pair each prompt with another completion of the same batch"
+        )
     rows, report = _read_unpaired(cfg, tokenizer, cfg.path)
     train, held = split_holdout(rows, cfg.eval_fraction, seed)
     if cfg.eval_path:
@@ -139,5 +161,6 @@ def load_unpaired(cfg: DataConfig, tokenizer: Any, seed: int, batch_size: int) -
         if len(split) == 1:
             raise DataError(f"{cfg.path}: kto needs at least two {name} rows for its KL reference point")
     report["train_rows"], report["eval_rows"] = len(train), len(held)
-    return UnpairedData(make_split(train, batch_size, seed, cfg.max_length),
-                        make_split(held, batch_size, seed, cfg.max_length), report)
+    return UnpairedData(
+        make_split(train, batch_size, seed, cfg.max_length), make_split(held, batch_size, seed, cfg.max_length), report
+    )

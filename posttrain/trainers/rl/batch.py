@@ -195,5 +195,5 @@ def per_sample_logprobs(
     for prompt, completion in zip(prompts, completions):
         ids = torch.tensor([prompt + completion], device=model.device)  # (1, P + L)
         logits = model(ids)[:, len(prompt) - 1 : -1]  # (1, L, V)
-        out.append(token_logprobs(logits, ids[:, len(prompt):], temperature).squeeze(0))
+        out.append(token_logprobs(logits, ids[:, len(prompt) :], temperature).squeeze(0))
     return out

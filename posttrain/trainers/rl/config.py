@@ -87,8 +87,10 @@ class DataSection:
     eval_size: int = 100  # held-out prompts scored greedily before and after training (0: none)
 
     def validate(self) -> None:
-        _need(self.task is not None or self.path is not None,
-              "set data.task (a built-in task) or data.path (a dataset), or both (the task's data file)")
+        _need(
+            self.task is not None or self.path is not None,
+            "set data.task (a built-in task) or data.path (a dataset), or both (the task's data file)",
+        )
         _need(self.eval_size >= 0, f"eval_size must be >= 0, got {self.eval_size}")
 
 
@@ -101,8 +103,10 @@ class RewardSection:
 
     def validate(self) -> None:
         if self.weights is not None:
-            _need(len(self.weights) == len(self.functions),
-                  f"weights has {len(self.weights)} entries for {len(self.functions)} functions")
+            _need(
+                len(self.weights) == len(self.functions),
+                f"weights has {len(self.weights)} entries for {len(self.functions)} functions",
+            )
 
 
 @dataclass
@@ -165,8 +169,10 @@ class RLTrainSection:
     def validate(self) -> None:
         _need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
         _need(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every}")
-        _need(self.keep_checkpoints is None or self.keep_checkpoints >= 1,
-              f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
+        _need(
+            self.keep_checkpoints is None or self.keep_checkpoints >= 1,
+            f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}",
+        )
         _need(self.max_bad_steps >= 1, f"max_bad_steps must be >= 1, got {self.max_bad_steps}")
         _positive("max_minutes", self.max_minutes, allow_none=True)
         _need(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
@@ -194,8 +200,11 @@ class LossSection:
     entropy_coef: float = 0.0  # loss -= entropy_coef * entropy (same aggregation)
 
     def validate(self) -> None:
-        for name, registry in (("advantage", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
-                               ("aggregation", AGGREGATIONS)):
+        for name, registry in (
+            ("advantage", ADVANTAGE_ESTIMATORS),
+            ("policy_loss", POLICY_LOSSES),
+            ("aggregation", AGGREGATIONS),
+        ):
             value = getattr(self, name)
             _need(value is None or value in registry, f"{name} {value!r} is not one of {', '.join(registry)}")
         _need(self.advantage != "gae", "advantage 'gae' needs a value head: use `posttrain ppo`")
@@ -295,8 +304,10 @@ class GRPOConfig:
     dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; see docs/distributed.md
 
     def validate(self) -> None:
-        _need(self.algorithm in ALGORITHMS, f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}"
-              " (PPO is `posttrain ppo`)")
+        _need(
+            self.algorithm in ALGORITHMS,
+            f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)} (PPO is `posttrain ppo`)",
+        )
         validate_config(self)
 
 
@@ -364,8 +375,10 @@ def resolve_algorithm(cfg: RLConfig) -> ResolvedAlgorithm:
         if loss.clip_eps_high is None and loss.clip_eps_low is not None:
             high = low  # one symmetric range unless both are given
         if low != high:
-            raise ValueError(f"policy loss {policy_loss!r} clips symmetrically; use loss.policy_loss=dapo for "
-                             f"clip_eps_low={low} != clip_eps_high={high}")
+            raise ValueError(
+                f"policy loss {policy_loss!r} clips symmetrically; use loss.policy_loss=dapo for "
+                f"clip_eps_low={low} != clip_eps_high={high}"
+            )
         kwargs: dict[str, Any] = {"clip_eps": low, "dual_clip": loss.dual_clip}
     elif policy_loss == "dapo":
         kwargs = {"clip_eps_low": low, "clip_eps_high": high, "dual_clip": loss.dual_clip}
@@ -391,9 +404,15 @@ def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm) -> ObjectiveParams:
     shapes the reward (kl.in_reward), where the update only measures it."""
     value = {"value_clip": cfg.ppo.value_clip} if isinstance(cfg, PPOConfig) else {}
     return ObjectiveParams(
-        policy_loss=algo.policy_loss, aggregation=algo.aggregation, max_len=cfg.rollout.max_tokens,
-        loss_params=algo.loss_kwargs, tis_cap=cfg.train.tis_cap, kl_estimator=cfg.kl.estimator,
-        kl_coef=0.0 if cfg.kl.in_reward else cfg.kl.beta, entropy_coef=cfg.loss.entropy_coef, **value,
+        policy_loss=algo.policy_loss,
+        aggregation=algo.aggregation,
+        max_len=cfg.rollout.max_tokens,
+        loss_params=algo.loss_kwargs,
+        tis_cap=cfg.train.tis_cap,
+        kl_estimator=cfg.kl.estimator,
+        kl_coef=0.0 if cfg.kl.in_reward else cfg.kl.beta,
+        entropy_coef=cfg.loss.entropy_coef,
+        **value,
     )
 
 
@@ -411,16 +430,22 @@ def rank_batch_sizes(cfg: RLConfig, world: int) -> tuple[int, int, int]:
     ValueError naming the key when the sizes do not divide into whole groups per rank."""
     batch, minibatch, micro = batch_sizes(cfg)
     group = cfg.rollout.samples_per_prompt
-    _need(cfg.rollout.prompts_per_step % world == 0,
-          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over the {world} processes "
-          "(a prompt's group stays on one rank)")
-    _need(minibatch % (world * group) == 0,
-          f"train.minibatch_size={minibatch} must be whole groups of {group} samples on each of the {world} processes")
+    _need(
+        cfg.rollout.prompts_per_step % world == 0,
+        f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over the {world} processes "
+        "(a prompt's group stays on one rank)",
+    )
+    _need(
+        minibatch % (world * group) == 0,
+        f"train.minibatch_size={minibatch} must be whole groups of {group} samples on each of the {world} processes",
+    )
     local_minibatch = minibatch // world
     local_micro = micro if cfg.train.micro_batch_size is not None else local_minibatch
-    _need(local_minibatch % local_micro == 0,
-          f"train.micro_batch_size={local_micro} must divide each process's share of train.minibatch_size "
-          f"({minibatch} / {world} processes = {local_minibatch})")
+    _need(
+        local_minibatch % local_micro == 0,
+        f"train.micro_batch_size={local_micro} must divide each process's share of train.minibatch_size "
+        f"({minibatch} / {world} processes = {local_minibatch})",
+    )
     return batch // world, local_minibatch, local_micro
 
 
@@ -429,26 +454,36 @@ def validate_config(cfg: RLConfig) -> None:
     check_adapter_options(cfg.lora, cfg.quant)
     group = cfg.rollout.samples_per_prompt
     batch, minibatch, micro = batch_sizes(cfg)
-    _need(minibatch % group == 0,
-          f"train.minibatch_size={minibatch} is not a whole number of groups of rollout.samples_per_prompt={group} "
-          "(a group's samples share one packed prompt)")
-    _need(batch % minibatch == 0,
-          f"train.minibatch_size={minibatch} does not divide the rollout batch of "
-          f"{cfg.rollout.prompts_per_step} prompts x {group} samples = {batch}")
-    _need(micro % group == 0,
-          f"train.micro_batch_size={micro} is not a whole number of groups of rollout.samples_per_prompt={group}")
+    _need(
+        minibatch % group == 0,
+        f"train.minibatch_size={minibatch} is not a whole number of groups of rollout.samples_per_prompt={group} "
+        "(a group's samples share one packed prompt)",
+    )
+    _need(
+        batch % minibatch == 0,
+        f"train.minibatch_size={minibatch} does not divide the rollout batch of "
+        f"{cfg.rollout.prompts_per_step} prompts x {group} samples = {batch}",
+    )
+    _need(
+        micro % group == 0,
+        f"train.micro_batch_size={micro} is not a whole number of groups of rollout.samples_per_prompt={group}",
+    )
     _need(minibatch % micro == 0, f"train.micro_batch_size={micro} does not divide train.minibatch_size={minibatch}")
-    _need(not (cfg.dist.rollout_weights == "per_layer" and cfg.rollout.engine.cuda_graphs),
-          "dist.rollout_weights=per_layer all-gathers each layer inside every engine forward, which a captured CUDA "
-          "graph cannot replay: set rollout.engine.cuda_graphs=false (or dist.rollout_weights=whole)")
+    _need(
+        not (cfg.dist.rollout_weights == "per_layer" and cfg.rollout.engine.cuda_graphs),
+        "dist.rollout_weights=per_layer all-gathers each layer inside every engine forward, which a captured CUDA "
+        "graph cannot replay: set rollout.engine.cuda_graphs=false (or dist.rollout_weights=whole)",
+    )
     algo = resolve_algorithm(cfg)
     if algo.advantage in ("grpo", "dr_grpo", "rloo"):
         _need(group >= 2, f"rollout.samples_per_prompt={group}: a group baseline ({algo.advantage}) needs >= 2 samples")
     if algo.dynamic_sampling:
         _need(group >= 2, "dapo.dynamic_sampling needs rollout.samples_per_prompt >= 2")
     if algo.overlong_penalty:
-        _need(cfg.dapo.overlong_cache_len <= cfg.rollout.max_tokens,
-              f"dapo.overlong_cache_len={cfg.dapo.overlong_cache_len} exceeds rollout.max_tokens={cfg.rollout.max_tokens}")
+        _need(
+            cfg.dapo.overlong_cache_len <= cfg.rollout.max_tokens,
+            f"dapo.overlong_cache_len={cfg.dapo.overlong_cache_len} exceeds rollout.max_tokens={cfg.rollout.max_tokens}",
+        )
 
 
 def validate_tree(cfg: Any) -> None:

@@ -82,7 +82,9 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
     out: dict[str, Any] = {}
     out.update(nan_stats(batch.rewards, "reward"))
-    if batch.task_rewards is not None and not torch.equal(batch.task_rewards.nan_to_num(-7), batch.rewards.nan_to_num(-7)):
+    if batch.task_rewards is not None and not torch.equal(
+        batch.task_rewards.nan_to_num(-7), batch.rewards.nan_to_num(-7)
+    ):
         out.update(nan_stats(batch.task_rewards, "reward/task"))
     for name, values in batch.per_function.items():
         out.update(nan_stats(values, f"reward/{name}"))

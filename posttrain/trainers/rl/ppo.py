@@ -91,4 +91,3 @@ def save_value_head(head: ValueHead, directory: str | Path) -> Path:
     path = Path(directory) / VALUE_HEAD_FILE
     save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(path))
     return path
-

@@ -30,7 +30,6 @@ from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.optim import build_optimizer
-from posttrain.trainers.rl.ppo import ValueHead, save_value_head
 from posttrain.trainers.rl.batch import PackedGroups, packed_forward
 from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
@@ -41,6 +40,7 @@ from posttrain.trainers.rl.config import (
     resolve_algorithm,
     validate_tree,
 )
+from posttrain.trainers.rl.ppo import ValueHead, save_value_head
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 
 
@@ -118,7 +118,9 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if model is None:
         from posttrain.models.hub import load_model
 
-        model, tokenizer = load_model(model_section.name_or_path, dtype=model_section.dtype, device=model_section.device)
+        model, tokenizer = load_model(
+            model_section.name_or_path, dtype=model_section.dtype, device=model_section.device
+        )
     check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
     # The adapters' random initial weights come from one seed on every rank: FSDP2 keeps each rank's shard of
     # what that rank drew (DDP would broadcast rank 0's), so the ranks must all draw one process's values.
@@ -136,38 +138,76 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
     parallel = Parallel(model, dist_section, ctx, beside=beside)
     try:
-        rank_sizes = rank_batch_sizes(cfg, parallel.world)  # every rank the same whole groups, minibatches, micro-batches
+        rank_sizes = rank_batch_sizes(
+            cfg, parallel.world
+        )  # every rank the same whole groups, minibatches, micro-batches
     except ValueError as error:
         raise ConfigError(str(error)) from None
     optim = cfg.optim
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
     if value_head is not None:  # its own group: a fresh head learns at its own (higher) rate
-        optimizer.add_param_group({"params": list(value_head.parameters()),
-                                   "lr": cfg.ppo.value_lr or optim.lr * 100, "weight_decay": 0.0})
+        optimizer.add_param_group(
+            {"params": list(value_head.parameters()), "lr": cfg.ppo.value_lr or optim.lr * 100, "weight_decay": 0.0}
+        )
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     batch, minibatch, _ = batch_sizes(cfg)
     total = cfg.train.max_steps * cfg.train.epochs * (batch // minibatch)  # optimizer steps
-    scheduler = build_scheduler(optimizer, total_steps=total, schedule=optim.schedule,
-                                warmup_steps=warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
-                                min_lr_ratio=optim.min_lr_ratio)
+    scheduler = build_scheduler(
+        optimizer,
+        total_steps=total,
+        schedule=optim.schedule,
+        warmup_steps=warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
+        min_lr_ratio=optim.min_lr_ratio,
+    )
     with parallel.rollout():  # no forward: the engine sizes its KV pool from the (gathered) parameters' dtype
         llm = LLM(model=model, tokenizer=tokenizer, config=engine_config(cfg))
     params = SamplingParams(
-        n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens, logprobs=True,
+        n=cfg.rollout.samples_per_prompt,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_tokens,
+        logprobs=True,
     )
     overlong = None
     if algo.overlong_penalty:
-        overlong = OverlongShaping(cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor)
+        overlong = OverlongShaping(
+            cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor
+        )
     logger = open_metrics(run_dir, cfg) if is_main() else None
-    run = RLRun(cfg, algo, run_dir, model, tokenizer, llm, source, specs, held_out, params, overlong,
-                optimizer, scheduler, trainable, logger, value_head, reference,
-                guard=BadStepGuard(cfg.train.max_bad_steps), parallel=parallel,
-                objective=objective_params(cfg, algo), rank_sizes=rank_sizes)
+    run = RLRun(
+        cfg,
+        algo,
+        run_dir,
+        model,
+        tokenizer,
+        llm,
+        source,
+        specs,
+        held_out,
+        params,
+        overlong,
+        optimizer,
+        scheduler,
+        trainable,
+        logger,
+        value_head,
+        reference,
+        guard=BadStepGuard(cfg.train.max_bad_steps),
+        parallel=parallel,
+        objective=objective_params(cfg, algo),
+        rank_sizes=rank_sizes,
+    )
     # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
     # copy was taken above from the initial weights, before any restore.
     run.checkpointer = Checkpointer(
-        command, run_dir, model, tokenizer, cfg.model.name_or_path, optimizer, scheduler,
+        command,
+        run_dir,
+        model,
+        tokenizer,
+        cfg.model.name_or_path,
+        optimizer,
+        scheduler,
         modules={"value_head": value_head} if value_head is not None else {},
         state={"prompts": source, "faults": run.guard, "counters": _Counters(run)},
         keep_last=cfg.train.keep_checkpoints,

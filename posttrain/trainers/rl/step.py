@@ -45,12 +45,21 @@ from posttrain.trainers.rl.update import StepBatch, UpdateTargets, prepare_batch
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Under torchrun: metrics that are each rank's part of a total (the others are averaged over the ranks).
-SUMMED_METRICS = frozenset({"num_samples", "dapo/kept_groups", "reward/unscorable", "tokens/rollout_per_s", "tokens/train_per_s",
-                            "rollout/idle_forwards"})
+SUMMED_METRICS = frozenset(
+    {
+        "num_samples",
+        "dapo/kept_groups",
+        "reward/unscorable",
+        "tokens/rollout_per_s",
+        "tokens/train_per_s",
+        "rollout/idle_forwards",
+    }
+)
 
 
-def _advantages(run: RLRun, data: StepBatch, behaviour: Tensor, ref: Tensor | None,
-                values: Tensor | None, loss_mask: Tensor) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+def _advantages(
+    run: RLRun, data: StepBatch, behaviour: Tensor, ref: Tensor | None, values: Tensor | None, loss_mask: Tensor
+) -> tuple[Tensor, Tensor | None, dict[str, float]]:
     """Advantages (B,) or (B, L), value targets (PPO) and reward-side KL metrics."""
     cfg, algo = run.cfg, run.algo
     G = cfg.rollout.samples_per_prompt
@@ -66,8 +75,9 @@ def _advantages(run: RLRun, data: StepBatch, behaviour: Tensor, ref: Tensor | No
         return ADVANTAGE_ESTIMATORS[algo.advantage](rewards, G), None, metrics
     world = run.parallel.world if run.parallel is not None else 1
     if algo.advantage == "reinforce_pp":
-        adv, returns = ADVANTAGE_ESTIMATORS["reinforce_pp"](rewards, data.mask, gamma=1.0, per_token_kl=kl_tokens,
-                                                             kl_coef=cfg.kl.beta)  # (B, L), (B, L)
+        adv, returns = ADVANTAGE_ESTIMATORS["reinforce_pp"](
+            rewards, data.mask, gamma=1.0, per_token_kl=kl_tokens, kl_coef=cfg.kl.beta
+        )  # (B, L), (B, L)
         if world > 1:
             # The estimator whitened over this rank's tokens only: whiten the returns again with the mean and
             # variance of every rank's scorable tokens, as one process whitens the whole batch.
@@ -75,9 +85,16 @@ def _advantages(run: RLRun, data: StepBatch, behaviour: Tensor, ref: Tensor | No
             adv = whiten_over_ranks(returns, data.mask.float() * scorable.unsqueeze(1))
         return adv, None, metrics
     ppo = cfg.ppo
-    adv, returns = ppo_advantages(rewards, values, loss_mask, gamma=ppo.gamma, lam=ppo.lam,
-                                  whiten=ppo.whiten_advantages and world == 1, per_token_kl=kl_tokens,
-                                  kl_coef=cfg.kl.beta)
+    adv, returns = ppo_advantages(
+        rewards,
+        values,
+        loss_mask,
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        whiten=ppo.whiten_advantages and world == 1,
+        per_token_kl=kl_tokens,
+        kl_coef=cfg.kl.beta,
+    )
     if ppo.whiten_advantages and world > 1:  # whitened over the whole batch, every rank's samples
         adv = whiten_over_ranks(adv, loss_mask)
     metrics["value/returns_mean"] = float(masked_mean(returns, loss_mask))
@@ -106,8 +123,14 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     world = parallel.world if parallel is not None else 1
     with rollout_weights(run) as lockstep:  # FSDP2: whole weights, or layer by layer in lockstep
         batch, stats = collect_rollout(
-            run.llm, run.source, cfg.rollout.prompts_per_step, run.params, run.specs, run.overlong,
-            run.algo.dynamic_sampling, cfg.dapo.max_refill_rounds,
+            run.llm,
+            run.source,
+            cfg.rollout.prompts_per_step,
+            run.params,
+            run.specs,
+            run.overlong,
+            run.algo.dynamic_sampling,
+            cfg.dapo.max_refill_rounds,
             shard=parallel.shard if sharded else None,
             seed_base=prompt_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
             lockstep=lockstep,
@@ -118,9 +141,14 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     if lockstep.active:  # engine forwards this rank ran only to take part in the others' gathers
         metrics["rollout/idle_forwards"] = lockstep.idle_forwards
     if run.algo.dynamic_sampling:
-        metrics.update({"dapo/refill_rounds": stats.refill_rounds, "dapo/extra_prompts": stats.extra_prompts,
-                        "dapo/dropped_groups": stats.dropped_groups,
-                        "dapo/kept_groups": batch.num_groups if batch is not None else 0})
+        metrics.update(
+            {
+                "dapo/refill_rounds": stats.refill_rounds,
+                "dapo/extra_prompts": stats.extra_prompts,
+                "dapo/dropped_groups": stats.dropped_groups,
+                "dapo/kept_groups": batch.num_groups if batch is not None else 0,
+            }
+        )
     metrics["tokens/rollout_per_s"] = stats.generated_tokens / max(stats.rollout_s, 1e-9)
     if batch is None:  # dynamic sampling left no group with a learning signal
         metrics.update({"skipped": 1, "time/step_s": time.perf_counter() - step_start, **timer.metrics()})

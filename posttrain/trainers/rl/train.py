@@ -32,16 +32,19 @@ def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
     # Under torchrun every rank evaluates every held-out prompt (greedy: the same answers everywhere), so the
     # ranks stay in step with no reduction; rank 0 writes.
     with rollout_weights(run) as lockstep:
-        metrics, samples = evaluate(run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold,
-                                    lockstep=lockstep)
+        metrics, samples = evaluate(
+            run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold, lockstep=lockstep
+        )
     metrics["time/eval_s"] = time.perf_counter() - start
     if not is_main():
         return metrics
     with open(run.run_dir / f"eval-step{step:05d}.jsonl", "w", encoding="utf-8") as f:
         for sample in samples:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-    tqdm.write(f"step {step}: held-out greedy accuracy {metrics['eval/accuracy']:.3f} "
-               f"({len(run.held_out)} prompts, {metrics['time/eval_s']:.1f}s)")
+    tqdm.write(
+        f"step {step}: held-out greedy accuracy {metrics['eval/accuracy']:.3f} "
+        f"({len(run.held_out)} prompts, {metrics['time/eval_s']:.1f}s)"
+    )
     return metrics
 
 
@@ -98,10 +101,22 @@ def _run_steps(run: RLRun, started: float, eval_s: float, desc: str) -> int:
         tqdm.write(f"time budget of {cfg.train.max_minutes} min reached after {steps_done} steps")
         return True
 
-    run_steps(step, max_steps=cfg.train.max_steps, optimizer=run.optimizer, metrics=run.logger,
-              save_every=cfg.train.save_every, save_fn=run.checkpointer.save, progress=cfg.log.progress and is_main(),
-              desc=desc, postfix=HEADLINE, start_step=run.start_step, should_stop=out_of_time,
-              budget_s=budget_s, started=started, reserve_s=reserve_s)
+    run_steps(
+        step,
+        max_steps=cfg.train.max_steps,
+        optimizer=run.optimizer,
+        metrics=run.logger,
+        save_every=cfg.train.save_every,
+        save_fn=run.checkpointer.save,
+        progress=cfg.log.progress and is_main(),
+        desc=desc,
+        postfix=HEADLINE,
+        start_step=run.start_step,
+        should_stop=out_of_time,
+        budget_s=budget_s,
+        started=started,
+        reserve_s=reserve_s,
+    )
     return done
 
 
@@ -135,8 +150,10 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             run.logger.close()
     if "accuracy_after" in summary and is_main():
         before_text = f"{summary['accuracy_before']:.1%} -> " if "accuracy_before" in summary else ""
-        print(f"held-out greedy accuracy: {before_text}{summary['accuracy_after']:.1%} "
-              f"({summary['steps']} steps, {summary['minutes']} min); run: {run.run_dir}")
+        print(
+            f"held-out greedy accuracy: {before_text}{summary['accuracy_after']:.1%} "
+            f"({summary['steps']} steps, {summary['minutes']} min); run: {run.run_dir}"
+        )
     return run.run_dir
 
 

@@ -20,12 +20,12 @@ from posttrain.algos import AGGREGATIONS
 from posttrain.algos.objective import rl_objective, sampler_mismatch
 from posttrain.distributed.env import all_reduce_sum, reduce_metrics
 from posttrain.models.moe import moe_blocks, router_loss_and_metrics
+from posttrain.rollout.batch import RolloutBatch
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.optim import optimizer_step
 from posttrain.trainers.rl.batch import PackedGroups, pack_groups
 from posttrain.trainers.rl.metrics import WeightedMeans
 from posttrain.trainers.rl.run import RLRun, policy_forward
-from posttrain.rollout.batch import RolloutBatch
 from posttrain.trainers.rl.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free
 
 
@@ -72,13 +72,15 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     lengths = [len(ids) for ids in batch.completion_ids]
     L = max(lengths)
     mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).float().to(run.device)  # (B, L)
-    return StepBatch(packs, slices, mask, _pad(batch.rollout_logprobs, L, run.device), batch.rewards.to(run.device),
-                     batch.num_groups)
+    return StepBatch(
+        packs, slices, mask, _pad(batch.rollout_logprobs, L, run.device), batch.rewards.to(run.device), batch.num_groups
+    )
 
 
 @torch.no_grad()
-def scoring_pass(run: RLRun, data: StepBatch, module: nn.Module, with_values: bool,
-                 base_only: bool = False) -> tuple[Tensor, Tensor | None]:
+def scoring_pass(
+    run: RLRun, data: StepBatch, module: nn.Module, with_values: bool, base_only: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """(B, L) logprobs (and values) of `module` over the whole batch, no grad."""
     B, L = data.mask.shape
     logprobs = torch.zeros(B, L, device=run.device)
@@ -126,8 +128,11 @@ def update_policy(run: RLRun, step: int, data: StepBatch, targets: UpdateTargets
             for param in run.trainable:
                 param.grad = torch.zeros_like(param)
         out = accumulate_gradients(
-            trained, lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),  # noqa: B023 (called in this iteration)
-            denominators, run.parallel)
+            trained,
+            lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),  # noqa: B023 (called in this iteration)
+            denominators,
+            run.parallel,
+        )
         tokens += out.pop("tokens", 0)
         _optimizer_step(run, step, out, counts["tokens"], means)
     run.model.eval()
@@ -138,13 +143,22 @@ def _minibatch_counts(run: RLRun, masks: list[Tensor]) -> dict[str, float]:
     """The minibatch's loss denominators from its micro-batches' (b, L) loss masks, summed over every rank:
     the policy term's (its aggregation's count) and the tokens (the value and router losses are token means)."""
     aggregation, max_len = AGGREGATIONS[run.objective.aggregation], run.objective.max_len
-    counts = {"policy": float(sum(aggregation.denominator(m, max_len) for m in masks)),
-              "tokens": float(sum(m.sum() for m in masks))}
+    counts = {
+        "policy": float(sum(aggregation.denominator(m, max_len) for m in masks)),
+        "tokens": float(sum(m.sum() for m in masks)),
+    }
     return reduce_metrics(counts, set(counts), run.device)
 
 
-def _micro_loss(run: RLRun, data: StepBatch, targets: UpdateTargets, micro: TrainedPack, denominators: dict[str, float],
-                means: WeightedMeans, first: bool) -> tuple[dict[str, Tensor], dict[str, float]]:
+def _micro_loss(
+    run: RLRun,
+    data: StepBatch,
+    targets: UpdateTargets,
+    micro: TrainedPack,
+    denominators: dict[str, float],
+    means: WeightedMeans,
+    first: bool,
+) -> tuple[dict[str, Tensor], dict[str, float]]:
     """One micro-batch's forward and objective: its loss sums by denominator (see `_minibatch_counts`), and its
     parts of the logged losses; the diagnostics go to `means`, weighted by the micro-batch's tokens."""
     pack, rows, L = micro.pack, micro.rows, micro.pack.max_len
@@ -153,18 +167,30 @@ def _micro_loss(run: RLRun, data: StepBatch, targets: UpdateTargets, micro: Trai
         return None if per_token is None else per_token[rows, :L]
 
     mask, rollout, adv = take(targets.loss_mask), take(data.rollout_logprobs), targets.advantages
-    out = policy_forward(run, run.model, pack, with_entropy=True, entropy_grad=run.objective.entropy_coef > 0,
-                         value_head=run.value_head)
-    objective = rl_objective(out.logprobs, adv[rows] if adv.dim() == 1 else take(adv), mask, run.objective,
-                             old_logprobs=take(targets.old_logprobs), rollout_logprobs=rollout,
-                             ref_logprobs=take(targets.ref_logprobs), entropy=out.entropy, values=out.values,
-                             old_values=take(targets.old_values), returns=take(targets.returns))
+    out = policy_forward(
+        run, run.model, pack, with_entropy=True, entropy_grad=run.objective.entropy_coef > 0, value_head=run.value_head
+    )
+    objective = rl_objective(
+        out.logprobs,
+        adv[rows] if adv.dim() == 1 else take(adv),
+        mask,
+        run.objective,
+        old_logprobs=take(targets.old_logprobs),
+        rollout_logprobs=rollout,
+        ref_logprobs=take(targets.ref_logprobs),
+        entropy=out.entropy,
+        values=out.values,
+        old_values=take(targets.old_values),
+        returns=take(targets.returns),
+    )
     metrics = objective.metrics
     if first:  # the trainer-engine difference, at the weights that sampled
         metrics.update(sampler_mismatch(out.logprobs, rollout, mask))
     sums = {"policy": objective.policy.sum}
-    logged = {"loss/policy": float(objective.policy.sum.detach()) / denominators["policy"],
-              "tokens": pack.num_input_tokens}
+    logged = {
+        "loss/policy": float(objective.policy.sum.detach()) / denominators["policy"],
+        "tokens": pack.num_input_tokens,
+    }
     by_token = []
     if objective.value is not None:
         by_token.append(run.cfg.ppo.vf_coef * objective.value.sum)
@@ -205,9 +231,19 @@ def _trained_packs(run: RLRun, data: StepBatch, adv: Tensor) -> list[TrainedPack
     """The micro-batches the update runs: all of them, or without their zero-advantage groups when
     those contribute exactly no gradient (see posttrain.trainers.rl.zero_advantage)."""
     cfg, params = run.cfg, run.objective
-    free = zero_advantage_is_free(adv, kl_loss=params.kl_coef > 0, entropy_coef=params.entropy_coef,
-                                  value_head=run.value_head is not None, router_loss=bool(moe_blocks(run.model)))
+    free = zero_advantage_is_free(
+        adv,
+        kl_loss=params.kl_coef > 0,
+        entropy_coef=params.entropy_coef,
+        value_head=run.value_head is not None,
+        router_loss=bool(moe_blocks(run.model)),
+    )
     if not (cfg.train.skip_zero_advantage and free):
         return [TrainedPack(pack, rows, 0) for pack, rows in zip(data.packs, data.slices)]
-    return trained_packs(data.packs, data.slices, adv, cfg.rollout.samples_per_prompt,
-                         keep_one=run.parallel is not None and run.parallel.world > 1)
+    return trained_packs(
+        data.packs,
+        data.slices,
+        adv,
+        cfg.rollout.samples_per_prompt,
+        keep_one=run.parallel is not None and run.parallel.world > 1,
+    )

@@ -36,14 +36,16 @@ class TrainedPack:
     skipped_groups: int
 
 
-def zero_advantage_is_free(adv: Tensor, *, kl_loss: bool, entropy_coef: float, value_head: bool,
-                           router_loss: bool) -> bool:
+def zero_advantage_is_free(
+    adv: Tensor, *, kl_loss: bool, entropy_coef: float, value_head: bool, router_loss: bool
+) -> bool:
     """Whether a zero-advantage sample contributes exactly nothing to the loss's gradient."""
     return adv.dim() == 1 and not kl_loss and entropy_coef == 0 and not value_head and not router_loss
 
 
-def trained_packs(packs: list[PackedGroups], slices: list[slice], adv: Tensor, group_size: int,
-                  keep_one: bool) -> list[TrainedPack]:
+def trained_packs(
+    packs: list[PackedGroups], slices: list[slice], adv: Tensor, group_size: int, keep_one: bool
+) -> list[TrainedPack]:
     """Each micro-batch with its all-zero-advantage groups taken out (adv (B,), one value per sample), cut
     out of its pack (`PackedGroups.select`).
 
