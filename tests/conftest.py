@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,14 @@ if str(ROOT) not in sys.path:  # lets tests import `tests.hf_oracle`
     sys.path.insert(0, str(ROOT))
 
 torch.set_num_threads(2)
+
+# Trackio reads TRACKIO_DIR once, when it is first imported, and `import trl` imports it: so the store is set
+# here, before any test module loads. Otherwise the tests write to the user's own store (HF_HOME/trackio), where
+# the runs of an earlier suite stay and are found again under the same project and run names.
+if "trackio" not in sys.modules:
+    _TRACKIO_DIR = tempfile.mkdtemp(prefix="posttrain-test-trackio-")
+    os.environ["TRACKIO_DIR"] = _TRACKIO_DIR
+    atexit.register(shutil.rmtree, _TRACKIO_DIR, ignore_errors=True)
 
 # Fixtures that load the embedded default model (SmolLM2-135M): tests that take one are `slow`, as are the
 # modules marked so by hand; `make test-fast` leaves out `slow` and `torchrun` (tests/distributed's launches).

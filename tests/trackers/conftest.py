@@ -1,27 +1,17 @@
 """Every tracker test runs offline, and writes only under temporary directories.
 
-Trackio reads `TRACKIO_DIR` once, when it is first imported, so it is set here, at collection, before any
-test of this folder imports it; W&B and MLflow read their settings per run (the `offline` fixture)."""
+Trackio's store is a temporary one, set by tests/conftest.py before anything imports trackio; W&B and MLflow
+read their settings per run (the `offline` fixture)."""
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-if "trackio" not in sys.modules:
-    _TRACKIO_DIR = tempfile.mkdtemp(prefix="posttrain-test-trackio-")
-    os.environ["TRACKIO_DIR"] = _TRACKIO_DIR
-    atexit.register(shutil.rmtree, _TRACKIO_DIR, ignore_errors=True)
-
 
 def trackio_dir() -> Path:
-    """Where the imported trackio keeps its projects (a temporary one unless trackio was imported earlier)."""
+    """Where the imported trackio keeps its projects (the suite's temporary store)."""
     from trackio.utils import TRACKIO_DIR
 
     return Path(TRACKIO_DIR)

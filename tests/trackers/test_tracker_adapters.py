@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from posttrain.metrics import MetricsLogger
+from tests.trackers.conftest import trackio_dir
 from tests.trackers.readback import (
     assert_rows_hold,
     dotted,
@@ -77,3 +80,13 @@ def test_mlflow_file_store_run_holds_the_numbers_and_the_config(offline):
     assert set(params) == set(leaves)
     for key, value in leaves.items():
         assert params[key] == (value if isinstance(value, str) else json.dumps(value)), key
+
+
+def test_trackio_writes_to_the_suites_temporary_store():
+    """Not to HF_HOME/trackio: there, an earlier run of the suite leaves runs under the same project and run
+    names, and every read-back above finds two. `import trl` imports trackio, so this holds only because the
+    root conftest sets the store before any test module loads."""
+    pytest.importorskip("trackio")
+    store = trackio_dir()
+    assert store.name.startswith("posttrain-test-trackio-"), store
+    assert store.parent == Path(tempfile.gettempdir()), store
