@@ -28,8 +28,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from posttrain import kernels  # noqa: E402
 from posttrain.cpu_malloc import advise_huge_pages  # noqa: E402
-from posttrain.models import cpu_kernels  # noqa: E402
 from posttrain.models.attention import PagedAttentionMetadata  # noqa: E402
 from posttrain.models.paged_attention import paged_attention  # noqa: E402
 
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--pool-blocks", type=int, default=8300)
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    if cpu_kernels.library() is None:
+    if kernels.library() is None:
         sys.exit("the native kernels could not be built here (see the warning above)")
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -91,12 +91,12 @@ def main() -> None:
         return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, attn_mask=mask, enable_gqa=True)
 
     native = best_of(lambda: paged_attention(q, k, v, meta, 0), args.reps)
-    supports = cpu_kernels.supports
-    cpu_kernels.supports = lambda q, cache: False
+    supports = kernels.supports
+    kernels.supports = lambda q, cache: False
     try:
         pytorch = best_of(lambda: paged_attention(q, k, v, meta, 0), args.reps)
     finally:
-        cpu_kernels.supports = supports
+        kernels.supports = supports
     transformers_layout = best_of(dense, args.reps)
     shared_tokens = args.prompt_tokens // BS * BS
     kv_tokens = args.prompts * shared_tokens + sum(ctx) - S * shared_tokens  # shared blocks once, own tokens each

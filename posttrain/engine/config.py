@@ -37,6 +37,10 @@ class EngineConfig:
     # On CPU in fp32: MKL-packed copies of the linear weights while generating (posttrain/engine/packed_weights.py);
     # faster matmuls for one more copy of the weights in memory. Set False to keep that memory.
     pack_cpu_weights: bool = True
+    # On CPU: the native C kernels (posttrain/kernels, built on first use): the paged decode attention, the K/V
+    # writes, the fused norm / RoPE / SwiGLU ops and the sampler's one-pass draw. False: PyTorch ops only.
+    # POSTTRAIN_CPU_KERNELS=0 in the environment turns them off for the whole process, whatever this says.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,7 +69,7 @@ class EngineConfig:
             or not 0 <= self.watermark < 1
         ):
             raise EngineConfigError(f"watermark={self.watermark!r}: must be in [0, 1)")
-        for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator", "pack_cpu_weights"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator", "pack_cpu_weights", "cpu_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: must be true or false")
 

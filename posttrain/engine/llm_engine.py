@@ -24,7 +24,6 @@ from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
 from posttrain.errors import PosttrainError
-from posttrain.models.decode_staging import release_staging
 
 
 @dataclass
@@ -202,7 +201,7 @@ class LLMEngine:
         except BaseException:
             # Blocks published for this step hold no valid K/V now.
             self.block_manager.reset_prefix_cache()
-            release_staging()
+            self.runner.attention_workspace.release()
             raise
         self.num_steps += 1
         self.num_processed_tokens += batch.num_batched_tokens
@@ -234,8 +233,7 @@ class LLMEngine:
             elif request.stream:
                 outputs.append(self._request_output(request))
         if not self.requests:  # idle: staged K/V copies and packed weights are not needed until the next wave
-            release_staging()
-            self.runner.release_packed_weights()
+            self.runner.release_step_buffers()
         return outputs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -394,8 +392,7 @@ class LLMEngine:
             return
         self.block_manager.reset_prefix_cache()
         self.runner.free_kv_cache()
-        self.runner.release_packed_weights()
-        release_staging()
+        self.runner.release_step_buffers()
         self.asleep = True
 
     def wake(self) -> None:

@@ -21,8 +21,9 @@ from posttrain.engine.sampler import SampleOutput, SamplingRow, SamplingWorkspac
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
 from posttrain.errors import PosttrainError
+from posttrain.kernels.fused import fused_scope
 from posttrain.models.attention import PagedAttentionMetadata
-from posttrain.models.cpu_kernels.fused import fused_scope
+from posttrain.models.paged_workspace import PagedWorkspace
 
 NO_POSITIONS = range(0)
 
@@ -63,6 +64,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] | None = None
         self.workspace = SamplingWorkspace()
+        self.attention_workspace = PagedWorkspace()  # plans, staged K/V and scratch of the paged attention
         if self.tunes_malloc and current_malloc_policy() == "default":
             set_malloc_policy("hold")  # nobody chose: the engine's policy for the whole process, as before
         self.graphs: DecodeGraphs | None = None
@@ -210,6 +212,8 @@ class ModelRunner:
             context_lens=as_tensor(context_lens),
             query_lens=as_tensor(batch.num_new_tokens),
             max_query_len=max(batch.num_new_tokens),
+            workspace=self.attention_workspace,
+            native_kernels=self.config.cpu_kernels,
         )
         prompt = None
         if prompt_rows:
@@ -232,7 +236,8 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.can_run(inputs.meta):
                 hidden = self.graphs.run(inputs)  # (N, d)
             else:
-                with fused_scope():  # fused elementwise ops on CPU (posttrain.models.cpu_kernels.fused)
+                fused = fused_scope() if self.config.cpu_kernels else nullcontext()
+                with fused:  # fused elementwise ops on CPU (posttrain.kernels.fused)
                     hidden = self.model.hidden_states(
                         inputs.input_ids, positions=inputs.positions, attn_meta=inputs.meta
                     )  # (N, d)
@@ -241,6 +246,12 @@ class ModelRunner:
             else:
                 logits = self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
         return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
+
+    def release_step_buffers(self) -> None:
+        """Free what the engine keeps between steps only for speed: the attention's staged K/V and scratch
+        buffers and the packed weights (the engine calls it when idle, asleep, or after a failed step)."""
+        self.attention_workspace.release()
+        self.release_packed_weights()
 
     def release_packed_weights(self) -> None:
         """Drop the packed weight copies (rebuilt on demand): when the engine goes idle or the weights change."""
@@ -271,7 +282,7 @@ class ModelRunner:
             for group in groups
             for seq in group
         ]
-        return sample(logits, rows, self.workspace)
+        return sample(logits, rows, self.workspace, native_kernels=self.config.cpu_kernels)
 
 
 class DecodeGraphs:

@@ -41,7 +41,7 @@ lands within fp32 rounding of a CDF step, and the logits of a batched forward pa
 batch-invariant in the first place.
 
 On CPU, a batch whose rows all draw without filters (no top-k / top-p / min-p, no greedy row) does
-steps 4 and 6 in one pass over each row in C (posttrain/models/cpu_kernels/sampler.c, where the
+steps 4 and 6 in one pass over each row in C (posttrain/kernels/sampler.c, where the
 kernels are built): the same inversion with the same uniforms, over exp(z - max) unnormalised, and the
 logprob as z - max - log(sum) (within 1e-6 of log_softmax in fp64). It sums in another order than the
 PyTorch draw, so the two can pick different tokens only where a uniform falls within rounding of a CDF
@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain import kernels
 from posttrain.engine.sampling_params import SamplingParams
-from posttrain.models import cpu_kernels
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -334,10 +334,16 @@ class SamplingWorkspace:
         return buffer[:numel].view(shape)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], workspace: SamplingWorkspace | None = None) -> SampleOutput:
+def sample(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    workspace: SamplingWorkspace | None = None,
+    native_kernels: bool = True,
+) -> SampleOutput:
     """Draw one token per row: steps 1-6 of the module docstring, vectorised over rows.
     logits (S, V) fp32, one `SamplingRow` per row; `logits` is not modified. Pass the same
-    `workspace` every step to avoid re-allocating (S, V) buffers."""
+    `workspace` every step to avoid re-allocating (S, V) buffers. `native_kernels`: the plain draw may take
+    posttrain.kernels' one-pass sampler (EngineConfig.cpu_kernels)."""
     if len(rows) != logits.shape[0]:
         raise ValueError(f"sample: {logits.shape[0]} rows of logits but {len(rows)} SamplingRows")
     logits = logits.float()
@@ -346,10 +352,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], workspace: SamplingWor
     scaled = _scaled_logits(logits, rows, workspace)  # (S, V), steps 1-3
     greedy = [j for j, row in enumerate(rows) if row.params.is_greedy]
     filtered = [j for j, row in enumerate(rows) if row.params.has_filters and not row.params.is_greedy]
-    if not greedy and not filtered and cpu_kernels.samples_on_cpu(scaled):
+    if native_kernels and not greedy and not filtered and kernels.samples_on_cpu(scaled):
         # Steps 4 and 6 in one pass over each row in C (sampler.c): the same inversion of the CDF with the
         # same uniforms, without writing the (S, V) softmax.
-        token_ids, logprobs = cpu_kernels.sample_rows(scaled, _uniforms(rows, device), _SUM_BLOCK)
+        token_ids, logprobs = kernels.sample_rows(scaled, _uniforms(rows, device), _SUM_BLOCK)
         return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=_top_logprobs(scaled, rows))
     probs = workspace.get("probs", tuple(scaled.shape), device)  # (S, V)
     torch.ops.aten._softmax.out(scaled, -1, False, out=probs)  # step 4, exponentiated

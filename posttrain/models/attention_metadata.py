@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.models.paged_workspace import PagedWorkspace
+
 
 @dataclass
 class DenseAttentionMetadata:
@@ -48,6 +50,9 @@ class PagedAttentionMetadata:
     context_lens (S,): tokens each sequence can see after this step's writes (cached + new).
     query_lens (S,): new tokens per sequence this step; they are the last query_lens of its context.
     max_query_len: max(query_lens); 1 means a pure decode step.
+    workspace: the plan, staged K/V and scratch buffers the caller keeps across layers and steps (the engine's
+        runner passes its own; the default is a fresh one, see paged_workspace.py).
+    native_kernels: whether the CPU path may take posttrain.kernels (EngineConfig.cpu_kernels).
     """
 
     kv_caches: list[torch.Tensor]
@@ -56,6 +61,8 @@ class PagedAttentionMetadata:
     context_lens: torch.Tensor
     query_lens: torch.Tensor
     max_query_len: int
+    workspace: PagedWorkspace = field(default_factory=PagedWorkspace, repr=False, compare=False)
+    native_kernels: bool = True
 
 
 AttentionMetadata = DenseAttentionMetadata | PagedAttentionMetadata

@@ -1,7 +1,7 @@
 """Contiguous copies of the decoding sequences' suffix K/V, carried from one engine step to the next.
 
 For the PyTorch version of the CPU decode attention, which runs where the native kernel of
-posttrain/models/cpu_kernels (it reads the pool directly) is not built or not taken. That version attends
+posttrain/kernels (it reads the pool directly) is not built or not taken. That version attends
 each sequence's suffix blocks (those after the prefix its group shares) as one (Sd, Hkv, L, D) tensor.
 Gathering the blocks into such a tensor every layer of every step reads and writes all the suffix K/V
 once more than the attention itself does: at 512 sequences and 128 generated tokens that gather cost as
@@ -27,7 +27,6 @@ calls it whenever it has no request left.
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +55,7 @@ class _Previous:
 
 
 class SuffixStaging:
-    """Per thread: the previous step's decode layout, and one staged buffer per layer."""
+    """The previous step's decode layout, and one staged buffer per layer (held by a PagedWorkspace)."""
 
     def __init__(self) -> None:
         self.previous: _Previous | None = None
@@ -146,21 +145,3 @@ class SuffixStaging:
         buffer[0, :, :L] = k.transpose(1, 2)
         buffer[1, :, :L] = v.transpose(1, 2)
         self.buffers[layer] = (plan.key, buffer)
-
-
-_local = threading.local()
-
-
-def staging() -> SuffixStaging:
-    """This thread's staging (the engine steps on one thread; a server's thread has its own)."""
-    state = getattr(_local, "staging", None)
-    if state is None:
-        state = _local.staging = SuffixStaging()
-    return state
-
-
-def release_staging() -> None:
-    """Free this thread's staged buffers (the engine calls it when no request is left)."""
-    state = getattr(_local, "staging", None)
-    if state is not None:
-        state.release()

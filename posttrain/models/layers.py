@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.cpu_kernels import fused
+from posttrain.kernels import fused
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused.active(x):  # the engine's CPU forward: one pass (cpu_kernels/fused.py)
+        if fused.active(x):  # the engine's CPU forward: one pass (posttrain/kernels/fused.py)
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -153,7 +153,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (..., T, H, D) with cos/sin (..., T, D): the rotate-half convention of HF Llama."""
-    if fused.active(x):  # the engine's CPU forward: one pass (cpu_kernels/fused.py)
+    if fused.active(x):  # the engine's CPU forward: one pass (posttrain/kernels/fused.py)
         return fused.rotary(x, cos, sin)
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # (..., T, 1, D)
     half = x.shape[-1] // 2

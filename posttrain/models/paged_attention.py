@@ -9,7 +9,7 @@ Two implementations with one contract (`PagedAttentionMetadata`):
   sequences that share leading blocks (the n samples of a prompt after the prefill fork) attend those
   blocks ONCE as a group, with the group's query heads stacked as query rows; each sequence then attends
   its own remaining blocks, and the two parts combine exactly (online softmax / log-sum-exps).
-  * With the native kernels (posttrain/models/cpu_kernels, C compiled on first use) every K/V byte is
+  * With the native kernels (posttrain/kernels, C compiled on first use) every K/V byte is
     read once, straight from the pool, and the K/V writes are row copies. benchmarks/paged_attention.py
     (512 sequences in 64 groups, SmolLM2-135M shapes, 80 shared prompt tokens, 72 own): 2.8 ms a layer,
     against 14.65 ms for the PyTorch version below on a step that gathers, and 8.31 ms for SDPA over a
@@ -29,15 +29,13 @@ may be read in the same step by another (the engine's prefix cache relies on it)
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
-from posttrain.models import cpu_kernels
+from posttrain import kernels
 from posttrain.models.attention_metadata import PagedAttentionMetadata
-from posttrain.models.decode_staging import staging
 from posttrain.models.paged_plan import DecodePlan, PrefillPlan, plan_for
+from posttrain.models.paged_workspace import PagedWorkspace
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -62,9 +60,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q (N, H, D), k/v (N, Hkv, D) for the new tokens -> attention output (N, H, D)."""
     cache = meta.kv_caches[layer_idx]
-    native = sliding_window is None and cpu_kernels.supports(q, cache)
+    native = meta.native_kernels and sliding_window is None and kernels.supports(q, cache)
     if native:
-        cpu_kernels.write_kv(cache, k, v, meta.slot_mapping)
+        kernels.write_kv(cache, k, v, meta.slot_mapping)
     else:
         write_kv(cache, k, v, meta.slot_mapping)
     if q.device.type != "cpu" or sliding_window is not None:
@@ -73,13 +71,14 @@ def paged_attention(
     out = torch.empty_like(q)  # (N, H, D)
     if plan.native_decode is not None:
         d = plan.native_decode
-        cpu_kernels.decode_attention(
+        kernels.decode_attention(
             q.contiguous(), cache, out, d.tables, d.context_lens, d.rows, d.group_starts, d.group_shared, d.max_members
         )
     elif plan.decode is not None:
-        out.index_copy_(0, plan.decode.token_rows, _decode_attend(q, k, v, cache, plan.decode, layer_idx))
+        decoded = _decode_attend(q, k, v, cache, plan.decode, layer_idx, meta.workspace)
+        out.index_copy_(0, plan.decode.token_rows, decoded)
     if plan.prefill is not None:
-        out.index_copy_(0, plan.prefill.token_rows, _prefill_attend(q, cache, plan.prefill))
+        out.index_copy_(0, plan.prefill.token_rows, _prefill_attend(q, cache, plan.prefill, meta.workspace))
     return out
 
 
@@ -161,31 +160,15 @@ def unpad_queries(out: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
 
 # ---- the CPU fast path: kernels ----------------------------------------------------------------------
 
-_workspace = threading.local()
 
-
-def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A reused scratch tensor (grown when too small); valid until the next call with the same name."""
-    buffers = getattr(_workspace, "buffers", None)
-    if buffers is None:
-        buffers = _workspace.buffers = {}
-    numel = 1
-    for n in shape:
-        numel *= n
-    buf = buffers.get(name)
-    stale = buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device
-    # A buffer made under inference_mode cannot be written outside it.
-    if stale or (buf.is_inference() and not torch.is_inference_mode_enabled()):
-        buf = buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
-    return buf[:numel].view(shape)
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, workspace: PagedWorkspace, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cache (2, num_blocks, bs, Hkv, D), blocks (B, W) -> K, V as (B, Hkv, W * bs, D) views of a buffer."""
     _, num_blocks, bs, hkv, d = cache.shape
     B, W = blocks.shape
     flat = cache.view(2, num_blocks, bs * hkv * d)
-    out = _buffer(name, (2, B * W, bs * hkv * d), cache)
+    out = workspace.buffer(name, (2, B * W, bs * hkv * d), cache)
     index = blocks.reshape(-1)
     torch.index_select(flat[0], 0, index, out=out[0])
     torch.index_select(flat[1], 0, index, out=out[1])
@@ -206,7 +189,13 @@ def _flash(
 
 
 def _decode_attend(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, layer_idx: int
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: torch.Tensor,
+    plan: DecodePlan,
+    layer_idx: int,
+    workspace: PagedWorkspace,
 ) -> torch.Tensor:
     """-> (Sd, H, D) for the decode sequences, in plan order; k_new / v_new (N, Hkv, D) this step's K/V."""
     _, H, D = q.shape
@@ -216,22 +205,22 @@ def _decode_attend(
     queries = q.index_select(0, plan.token_rows).view(Sd, hkv, G, D)  # (Sd, Hkv, G, D): heads as query rows
     staged = None
     if plan.staging is not None:
-        staged = staging().append(
+        staged = workspace.staging.append(
             layer_idx, plan.staging, k_new.index_select(0, plan.token_rows), v_new.index_select(0, plan.token_rows)
         )
     if staged is not None:
         k, v = staged
     else:
-        k, v = _gather(cache, plan.suffix_blocks, "suffix")
+        k, v = _gather(cache, plan.suffix_blocks, workspace, "suffix")
         if plan.staging is not None:
-            staging().store(layer_idx, plan.staging, k, v)
+            workspace.staging.store(layer_idx, plan.staging, k, v)
     out, lse = _flash(queries, k, v, plan.suffix_mask)  # (Sd, Hkv, G, D), (Sd, Hkv, G)
     if plan.group_blocks is not None:
         M = plan.members_per_group
         Gp = plan.group_blocks.shape[0]
         members = q.index_select(0, plan.group_query_rows).view(Gp, M, hkv, G, D)
         members = members.transpose(1, 2).reshape(Gp, hkv, M * G, D)  # (Gp, Hkv, M*G, D)
-        pk, pv = _gather(cache, plan.group_blocks, "prefix")
+        pk, pv = _gather(cache, plan.group_blocks, workspace, "prefix")
         p_out, p_lse = _flash(members, pk, pv, plan.group_mask)  # (Gp, Hkv, M*G, D), (Gp, Hkv, M*G)
         p_out = p_out.view(Gp, hkv, M, G, D).transpose(1, 2).reshape(Gp * M, hkv, G, D)
         p_lse = p_lse.view(Gp, hkv, M, G).transpose(1, 2).reshape(Gp * M, hkv, G)
@@ -244,11 +233,11 @@ def _decode_attend(
     return out.reshape(Sd, H, D)
 
 
-def _prefill_attend(q: torch.Tensor, cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
+def _prefill_attend(q: torch.Tensor, cache: torch.Tensor, plan: PrefillPlan, workspace: PagedWorkspace) -> torch.Tensor:
     """-> (Np, H, D) for the prefill sequences' tokens, in plan order."""
     _, H, D = q.shape
     hkv = cache.shape[3]
-    k, v = _gather(cache, plan.blocks, "prefill")  # (Sp, Hkv, L, D)
+    k, v = _gather(cache, plan.blocks, workspace, "prefill")  # (Sp, Hkv, L, D)
     flat = q.index_select(0, plan.token_rows)  # (Np, H, D)
     queries = pad_queries(flat, plan.query_lens, plan.max_query_len)  # (Sp, H, Q, D)
     out = F.scaled_dot_product_attention(

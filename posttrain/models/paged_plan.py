@@ -6,14 +6,13 @@ every other layer reuses it (posttrain/models/paged_attention.py runs the kernel
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from posttrain.models.attention_metadata import PagedAttentionMetadata
-from posttrain.models.decode_staging import StagingPlan, staging
+from posttrain.models.decode_staging import StagingPlan, SuffixStaging
 
 
 @dataclass
@@ -37,7 +36,7 @@ class DecodePlan:
 
 @dataclass
 class NativeDecodePlan:
-    """Sequences with one new token, for the C kernel (cpu_kernels.decode_attention): groups of
+    """Sequences with one new token, for the C kernel (posttrain.kernels.decode_attention): groups of
     consecutive sequences read their shared leading blocks once."""
 
     tables: torch.Tensor  # (Sd, W) block tables
@@ -64,16 +63,13 @@ class Plan:
     native_decode: NativeDecodePlan | None = None  # instead of `decode` when the C kernels run
 
 
-_plan_cache = threading.local()
-
-
 def plan_for(meta: PagedAttentionMetadata, block_size: int, native: bool = False) -> Plan:
     """The plan depends only on the metadata, so build it at layer 0 and reuse it for the others."""
-    cached = getattr(_plan_cache, "entry", None)
+    cached = meta.workspace.plan
     if cached is not None and cached[0]() is meta and cached[1] == native:
         return cached[2]
     plan = _build_plan(meta, block_size, native)
-    _plan_cache.entry = (weakref.ref(meta), native, plan)
+    meta.workspace.plan = (weakref.ref(meta), native, plan)
     return plan
 
 
@@ -92,7 +88,8 @@ def _build_plan(meta: PagedAttentionMetadata, block_size: int, native: bool) -> 
         return Plan(None, prefill_plan)
     if native:
         return Plan(None, prefill_plan, _native_decode_plan(decode, starts, context_lens, tables, block_size))
-    return Plan(_decode_plan(decode, starts, context_lens, tables, block_size, meta.kv_caches), prefill_plan)
+    decode_plan = _decode_plan(decode, starts, context_lens, tables, block_size, meta.kv_caches, meta.workspace.staging)
+    return Plan(decode_plan, prefill_plan)
 
 
 def _cascade_groups(table: torch.Tensor, ctx: list[int], block_size: int) -> list[tuple[list[int], int]]:
@@ -161,6 +158,7 @@ def _decode_plan(
     tables: torch.Tensor,
     block_size: int,
     kv_caches: list[torch.Tensor],
+    staging: SuffixStaging,
 ) -> DecodePlan:
     ctx = [context_lens[s] for s in seqs]
     table = tables[seqs] if len(seqs) != tables.shape[0] else tables  # (Sd, W)
@@ -182,7 +180,7 @@ def _decode_plan(
         suffix_blocks=torch.tensor(suffix_blocks, device=device),  # (Sd, Bs)
         suffix_mask=_length_mask(suffix_lens, suffix_width * block_size, device),
     )
-    plan.staging = staging().plan(kv_caches, plan.suffix_blocks, suffix_lens, shared, block_size)
+    plan.staging = staging.plan(kv_caches, plan.suffix_blocks, suffix_lens, shared, block_size)
     if cascade:
         M = max(len(members) for members, _ in cascade)
         Bp = max(n for _, n in cascade)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from posttrain.kernels import fused
 from posttrain.models.attention import (
     Attention,
     AttentionMetadata,
@@ -15,7 +16,6 @@ from posttrain.models.attention import (
     positions_from_segments,
 )
 from posttrain.models.config import ModelConfig
-from posttrain.models.cpu_kernels import fused
 from posttrain.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from posttrain.models.mla import LatentAttention
 from posttrain.models.moe import FFN_NAMES, MoEBlock

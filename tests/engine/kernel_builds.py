@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.models import cpu_kernels
+from posttrain import kernels
 
-KERNEL_MARCHES = ["native", "x86-64-v3"]  # posttrain.models.cpu_kernels.MARCH_ENV values
+KERNEL_MARCHES = ["native", "x86-64-v3"]  # posttrain.kernels.MARCH_ENV values
 
 
 def use_kernels_built_for(march: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """From here on (until the test's end and `forget_kernels`), `cpu_kernels.library()` is the build for `march`;
+    """From here on (until the test's end and `forget_kernels`), `kernels.library()` is the build for `march`;
     skips the test where this CPU cannot run it or the compiler cannot build it."""
-    if cpu_kernels.runs_here(march) is not True:
+    if kernels.runs_here(march) is not True:
         pytest.skip(f"this CPU does not run {march} code")
-    monkeypatch.setenv(cpu_kernels.MARCH_ENV, march)
-    cpu_kernels.library.cache_clear()
-    if cpu_kernels.library() is None:
+    monkeypatch.setenv(kernels.MARCH_ENV, march)
+    kernels.library.cache_clear()
+    if kernels.library() is None:
         pytest.skip(f"the kernels do not build for {march} here (no C compiler with OpenMP, or no such target)")
 
 
 def forget_kernels() -> None:
-    cpu_kernels.library.cache_clear()  # the next call loads the build the environment names again
+    kernels.library.cache_clear()  # the next call loads the build the environment names again

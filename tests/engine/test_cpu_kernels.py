@@ -1,4 +1,4 @@
-"""The native CPU decode kernels (posttrain/models/cpu_kernels) against the PyTorch reference, and their build."""
+"""The native CPU decode kernels (posttrain/kernels) against the PyTorch reference, and their build."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.models import cpu_kernels
+from posttrain import kernels
 from posttrain.models.attention import PagedAttentionMetadata
 from posttrain.models.paged_attention import paged_attention, reference_paged_attention, write_kv
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here")
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="no C compiler with OpenMP here")
 
 
 def _decode_step(
@@ -120,7 +120,7 @@ def test_decode_kernel_and_pytorch_path_agree_in_mixed_steps(
     results = []
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
+            monkeypatch.setattr(kernels, "supports", lambda q, cache: False)
         meta = PagedAttentionMetadata(
             [cache.clone()],
             torch.tensor(slots),
@@ -140,7 +140,7 @@ def test_native_write_kv_skips_negative_slots(kernel_march: str) -> None:
     expected = cache.clone()
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     slots = torch.tensor([3, -1, 17, 39, -1])
-    cpu_kernels.write_kv(cache, k, v, slots)
+    kernels.write_kv(cache, k, v, slots)
     write_kv(expected, k, v, slots)
     assert torch.equal(cache, expected)
 
@@ -148,26 +148,26 @@ def test_native_write_kv_skips_negative_slots(kernel_march: str) -> None:
 def test_supports_only_fp32_cpu_pools_with_whole_vectors() -> None:
     cache = torch.zeros(2, 4, 4, 2, 8)
     q = torch.zeros(3, 4, 8)
-    available = cpu_kernels.library() is not None
-    assert cpu_kernels.supports(q, cache) is available
-    assert not cpu_kernels.supports(q.double(), cache.double())
-    assert not cpu_kernels.supports(q, torch.zeros(2, 4, 4, 2, 12))  # head_dim not a multiple of 8
-    assert not cpu_kernels.supports(q, torch.zeros(1, 4, 4, 1, 8))  # a latent-attention pool
+    available = kernels.library() is not None
+    assert kernels.supports(q, cache) is available
+    assert not kernels.supports(q.double(), cache.double())
+    assert not kernels.supports(q, torch.zeros(2, 4, 4, 2, 12))  # head_dim not a multiple of 8
+    assert not kernels.supports(q, torch.zeros(1, 4, 4, 1, 8))  # a latent-attention pool
 
 
 @pytest.fixture
 def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path):
     """library() rebuilt from scratch into an empty cache, and forgotten again after the test."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
-    cpu_kernels.library.cache_clear()
+    kernels.library.cache_clear()
     yield tmp_path
-    cpu_kernels.library.cache_clear()
+    kernels.library.cache_clear()
 
 
 def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, fresh_library) -> None:
     monkeypatch.setenv("POSTTRAIN_CPU_KERNELS", "0")
-    assert cpu_kernels.library() is None
-    assert not cpu_kernels.supports(torch.zeros(3, 4, 8), torch.zeros(2, 4, 4, 2, 8))
+    assert kernels.library() is None
+    assert not kernels.supports(torch.zeros(3, 4, 8), torch.zeros(2, 4, 4, 2, 8))
     assert not (fresh_library / "kernels").exists()  # nothing was built
 
 
@@ -178,8 +178,8 @@ def test_failed_build_falls_back_with_the_compilers_message(
     script.write_text("#!/bin/sh\necho 'cc: error: no such flag -march=native' >&2\nexit 1\n")
     script.chmod(0o755)
     monkeypatch.setenv("CC", str(script))
-    with caplog.at_level(logging.WARNING, logger="posttrain.models"):
-        assert cpu_kernels.library() is None
+    with caplog.at_level(logging.WARNING, logger="posttrain.kernels"):
+        assert kernels.library() is None
     assert "no such flag -march=native" in caplog.text and "paged_decode.c" in caplog.text
     assert not any(p.suffix == ".so" for p in (fresh_library / "kernels").iterdir())  # nothing half-written kept
     # The attention still runs, in PyTorch.
@@ -192,12 +192,12 @@ def test_failed_build_falls_back_with_the_compilers_message(
 
 @needs_kernels
 def test_build_is_cached_per_source(fresh_library) -> None:
-    assert cpu_kernels.library() is not None
+    assert kernels.library() is not None
     built = sorted((fresh_library / "kernels").iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
-    cpu_kernels.library.cache_clear()
+    kernels.library.cache_clear()
     mtime = built[0].stat().st_mtime_ns
-    assert cpu_kernels.library() is not None
+    assert kernels.library() is not None
     assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
 
 
@@ -227,22 +227,22 @@ def test_the_kernels_build_wherever_a_c_compiler_with_openmp_is_present(
     workdir.mkdir()
     if _openmp_compiler(workdir) is None:
         pytest.skip("no C compiler that builds an OpenMP shared library here")
-    monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
-    lib = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.target_march())))
-    missing = [name for name in cpu_kernels.SIGNATURES if not hasattr(lib, name)]
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    lib = ctypes.CDLL(str(kernels._build(kernels.target_march())))
+    missing = [name for name in kernels.SIGNATURES if not hasattr(lib, name)]
     assert not missing, f"the built kernels do not export {missing}"
-    assert cpu_kernels.library() is not None
+    assert kernels.library() is not None
 
 
 @needs_kernels
 def test_each_target_gets_its_own_build(monkeypatch: pytest.MonkeyPatch, fresh_library) -> None:
-    if cpu_kernels.runs_here("x86-64-v3") is not True:
+    if kernels.runs_here("x86-64-v3") is not True:
         pytest.skip("this CPU does not run x86-64-v3 code")
-    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "native")
-    assert cpu_kernels.library() is not None
-    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "x86-64-v3")
-    cpu_kernels.library.cache_clear()
-    assert cpu_kernels.library() is not None
+    monkeypatch.setenv(kernels.MARCH_ENV, "native")
+    assert kernels.library() is not None
+    monkeypatch.setenv(kernels.MARCH_ENV, "x86-64-v3")
+    kernels.library.cache_clear()
+    assert kernels.library() is not None
     assert len(list((fresh_library / "kernels").glob("*.so"))) == 2  # one per -march, neither loaded for the other
 
 
@@ -250,13 +250,13 @@ def test_a_target_this_cpu_lacks_is_refused(
     monkeypatch: pytest.MonkeyPatch, fresh_library, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Code for an instruction set the CPU lacks would die of SIGILL on its first call: not built, not loaded."""
-    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-    avx2_only = " ".join(sorted(cpu_kernels.X86_LEVELS["x86-64-v3"]))
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: f"x86_64\nflags\t\t: {avx2_only}".encode())
-    assert cpu_kernels.runs_here("x86-64-v3") is True and cpu_kernels.runs_here("x86-64-v4") is False
-    assert cpu_kernels.runs_here("znver5") is None  # not a level we know the needs of: left to the compiler
-    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "x86-64-v4")
-    with caplog.at_level(logging.WARNING, logger="posttrain.models"):
-        assert cpu_kernels.library() is None
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    avx2_only = " ".join(sorted(kernels.X86_LEVELS["x86-64-v3"]))
+    monkeypatch.setattr(kernels, "_cpu_identity", lambda: f"x86_64\nflags\t\t: {avx2_only}".encode())
+    assert kernels.runs_here("x86-64-v3") is True and kernels.runs_here("x86-64-v4") is False
+    assert kernels.runs_here("znver5") is None  # not a level we know the needs of: left to the compiler
+    monkeypatch.setenv(kernels.MARCH_ENV, "x86-64-v4")
+    with caplog.at_level(logging.WARNING, logger="posttrain.kernels"):
+        assert kernels.library() is None
     assert "POSTTRAIN_CPU_KERNELS_MARCH=x86-64-v4 names an instruction set this CPU lacks" in caplog.text
     assert not (fresh_library / "kernels").exists()

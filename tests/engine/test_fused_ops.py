@@ -1,4 +1,4 @@
-"""The decoder's fused elementwise ops (posttrain/models/cpu_kernels/decoder_ops.c) against PyTorch, and the
+"""The decoder's fused elementwise ops (posttrain/kernels/decoder_ops.c) against PyTorch, and the
 scope that limits them to the engine's forward."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from posttrain import kernels
 from posttrain.engine import SamplingParams
-from posttrain.models import cpu_kernels
+from posttrain.kernels import fused
 from posttrain.models.config import ModelConfig
-from posttrain.models.cpu_kernels import fused
 from posttrain.models.layers import RotaryEmbedding, apply_rotary
 from posttrain.models.transformer import Transformer
 from tests.engine.tiny import make_llm, tiny_model
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler with OpenMP here")
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="no C compiler with OpenMP here")
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_active_only_in_the_scope_without_autograd_on_fp32_cpu() -> None:
 
 
 def test_scope_is_inert_with_the_kernels_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    monkeypatch.setattr(kernels, "library", lambda: None)
     monkeypatch.setattr(fused, "library", lambda: None)
     with torch.no_grad(), fused.fused_scope():
         assert not fused.active(torch.zeros(2, 8))
@@ -148,3 +148,23 @@ def test_engine_takes_the_fused_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     with torch.no_grad():
         tiny_model()(torch.tensor([[1, 2, 3]]))  # a forward outside the engine takes none
     assert calls["rms_norm"] == 6
+
+
+def test_engine_config_turns_every_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineConfig.cpu_kernels=False: no fused op, no native attention, K/V write or draw, and the same tokens
+    (greedy) as with the kernels on, within the engine's own reorder bound for sampled ones."""
+    model = tiny_model()
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    with_kernels = make_llm(model).generate([[1, 2, 3], [4, 5]], params)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a native kernel ran with cpu_kernels=False")
+
+    for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul"):
+        monkeypatch.setattr(fused, name, refuse)
+    for name in ("write_kv", "decode_attention", "sample_rows"):
+        monkeypatch.setattr(kernels, name, refuse)
+    without = make_llm(model, cpu_kernels=False).generate([[1, 2, 3], [4, 5]], params)
+    sampled = make_llm(model, cpu_kernels=False).generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0))
+    assert [o.outputs[0].token_ids for o in without] == [o.outputs[0].token_ids for o in with_kernels]
+    assert len(sampled[0].outputs[0].token_ids) == 4

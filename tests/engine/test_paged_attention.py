@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from posttrain.models import cpu_kernels
+from posttrain import kernels
 from posttrain.models.attention import PagedAttentionMetadata
 from posttrain.models.config import ModelConfig
 from posttrain.models.paged_attention import paged_attention, reference_paged_attention
@@ -43,7 +43,7 @@ def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Each CPU fast path: the C kernels built for each instruction set (when they build and run here,
     tests/engine/conftest.py) and the PyTorch one."""
     if request.param == "pytorch":
-        monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
+        monkeypatch.setattr(kernels, "supports", lambda q, cache: False)
     else:
         use_kernels_built_for(request.param, monkeypatch)
     yield request.param
@@ -139,12 +139,12 @@ def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.Monkey
     """Decode steps of the PyTorch path that carry the gathered suffixes over (decode_staging): appends,
     block boundaries, a sequence leaving, suffixes outgrowing the staged room. Every step equals the
     reference, in two layers, and most steps only append."""
-    monkeypatch.setattr(cpu_kernels, "supports", lambda q, cache: False)
-    from posttrain.models.decode_staging import release_staging
+    monkeypatch.setattr(kernels, "supports", lambda q, cache: False)
     from posttrain.models.paged_plan import plan_for
+    from posttrain.models.paged_workspace import PagedWorkspace
 
     torch.manual_seed(0)
-    release_staging()
+    workspace = PagedWorkspace()  # the engine's runner keeps one across steps
     free = list(range(1, 200))
     prompt_len = 6  # one full block shared by a group's samples, then each sample's own blocks
     seqs = []
@@ -167,7 +167,7 @@ def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.Monkey
         slots = torch.tensor([s["table"][(s["len"] - 1) // BS] * BS + (s["len"] - 1) % BS for s in seqs])
         ctx = torch.tensor([s["len"] for s in seqs])
         S = len(seqs)
-        meta = PagedAttentionMetadata(fast, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1)  # one per step
+        meta = PagedAttentionMetadata(fast, slots, tables, ctx, torch.ones(S, dtype=torch.long), 1, workspace)
         for layer in range(2):
             q, k, v = torch.randn(S, H, D), torch.randn(S, HKV, D), torch.randn(S, HKV, D)
             out = paged_attention(q, k, v, meta, layer)
@@ -181,4 +181,5 @@ def test_staged_decode_matches_reference_across_steps(monkeypatch: pytest.Monkey
         if step in (0, 15):
             assert plan.staging.extends is None, step
     assert extended >= 30, extended  # rebuilt only at the start, after the leave, and when the room ran out
-    release_staging()
+    workspace.release()
+    assert workspace.staging.previous is None and not workspace.staging.buffers

@@ -8,7 +8,7 @@ RMSNorm (layers.RMSNorm), the residual add with the next norm (DecoderLayer), th
 rounding (decoder_ops.c says where they may differ).
 
 `active(x)` is true for fp32 CPU tensors with autograd off, when the kernels are built (see
-posttrain.models.cpu_kernels: POSTTRAIN_CPU_KERNELS=0 turns them off, a missing compiler falls back).
+posttrain.kernels: POSTTRAIN_CPU_KERNELS=0 turns them off, a missing compiler falls back).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from posttrain.models.cpu_kernels import library
+from posttrain.kernels import library
 
 _state = threading.local()  # per thread: a server's engine thread and a trainer thread do not mix
 

@@ -31,7 +31,7 @@ import torch
 
 from posttrain.cache import cache_root
 
-logger = logging.getLogger("posttrain.models")
+logger = logging.getLogger("posttrain.kernels")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c"]

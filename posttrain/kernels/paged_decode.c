@@ -6,7 +6,7 @@
  * contiguous tensor first (a copy as large as the read) and merges the shared-prefix and own-suffix parts
  * in separate ops. Here every K/V byte is read once, from the pool, into a streaming online softmax.
  *
- * Layouts (fp32, contiguous; posttrain/models/cpu_kernels/__init__.py checks them before calling):
+ * Layouts (fp32, contiguous; posttrain/kernels/__init__.py checks them before calling):
  *   q, out   (N, H, D)                      queries of the step's new tokens, and the attention outputs
  *   cache    (2, num_blocks, bs, Hkv, D)    K at [0], V at [1]; query head h reads K/V head h / (H / Hkv)
  *   tables   (S, width) int64               block table of each decoding sequence

@@ -6,7 +6,7 @@
  * a rollout step; here each is one pass. The arithmetic is PyTorch's, in the same order, except that
  * sums run in another order and a*b + c*d may become one FMA: results agree to float rounding.
  *
- * All tensors are fp32 and contiguous (posttrain/models/cpu_kernels/fused.py checks before calling).
+ * All tensors are fp32 and contiguous (posttrain/kernels/fused.py checks before calling).
  * Rows are independent; OpenMP splits them over `threads` (torch's intra-op threads).
  */
 
