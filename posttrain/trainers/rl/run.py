@@ -136,7 +136,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
     beside = {"value_head": value_head} if value_head is not None else None
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
-    parallel = Parallel(model, dist_section, ctx, beside=beside)
+    parallel = Parallel(model, dist_section, ctx, beside=beside, compute_dtype=model_section.autocast_dtype(model))
     try:
         rank_sizes = rank_batch_sizes(
             cfg, parallel.world
