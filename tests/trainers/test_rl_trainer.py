@@ -120,13 +120,13 @@ def test_kl_in_reward_and_tis(tmp_path: Path, tok, old_logprobs: str) -> None:
     metrics = rl_step(run, 1)
     assert math.isfinite(metrics["kl/in_reward_mean"])
     if old_logprobs == "rollout":  # pi_old is the engine's logprobs: no extra pass, and a weight of 1 exactly
-        assert "time/old_pass_s" not in metrics and metrics["tis/weight_mean"] == 1.0
+        assert "time/old_pass_s" not in metrics and metrics["off_policy/weight_mean"] == 1.0
         return
     # pi_old from the trainer's own no-grad pass, at the weights that sampled: each TIS weight
     # exp(old - engine) lies within expm1(tol) of 1, and so does their mean.
     assert "time/old_pass_s" in metrics
     assert metrics["mismatch/abs_diff_max"] <= ENGINE_DENSE_LOGPROB_TOL
-    assert abs(metrics["tis/weight_mean"] - 1.0) <= math.expm1(ENGINE_DENSE_LOGPROB_TOL)
+    assert abs(metrics["off_policy/weight_mean"] - 1.0) <= math.expm1(ENGINE_DENSE_LOGPROB_TOL)
 
 
 def test_lora_trains_adapters_with_the_base_as_reference(tmp_path: Path, tok) -> None:
