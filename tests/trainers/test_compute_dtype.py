@@ -15,30 +15,14 @@ from posttrain.metrics import read_metrics
 from posttrain.models.hub import load_model
 from posttrain.trainers.sections import ModelSection
 from posttrain.trainers.sft import SFTConfig, train_sft
-from tests.data.tiny import save_tiny_model_dir, write_qa_jsonl
+from tests.trainers.test_sft import base_overrides
 
 AVX2 = "avx avx2 fma"
 ZEN5 = "avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    return write_qa_jsonl(tmp_path_factory.mktemp("data") / "qa.jsonl")
-
-
 def run_sft(model_dir: Path, data_file: Path, out: Path, dtype: str | None) -> tuple[list[dict], dict]:
-    overrides = [
-        f"model.name_or_path={model_dir}",
-        f"data.path={data_file}",
-        "data.columns={prompt: question, completion: answer}",
-        "data.as_chat=true",
-        f"out={out}",
-        "train.progress=false",
+    overrides = base_overrides(model_dir, data_file, out) + [
         "train.batch_size=4",
         "train.max_steps=2",
         "optim.lr=1e-2",

@@ -17,7 +17,7 @@ from posttrain.errors import ConfigError
 from posttrain.hardware import FEATURES_ENV
 from posttrain.trainers.rl import rl_step, setup_run
 from posttrain.trainers.rl.config import GRPOConfig
-from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+from tests.trainers.rl_helpers import rl_overrides, tiny_model, tokenizer
 
 ZEN5 = "avx2 fma avx512f avx512_bf16 avx512_vnni"
 
@@ -28,17 +28,7 @@ def tok():
 
 
 def _config(tmp_path: Path, name: str, *extra: str) -> GRPOConfig:
-    overrides = [
-        f"out={tmp_path / name}",
-        f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-        "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4",
-        "rollout.max_tokens=6",
-        "data.eval_size=0",
-        "log.progress=false",
-        *extra,
-    ]
-    return load_config(GRPOConfig, None, overrides)
+    return load_config(GRPOConfig, None, rl_overrides(tmp_path, name, *extra))
 
 
 @pytest.mark.parametrize(
