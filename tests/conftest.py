@@ -18,6 +18,11 @@ if str(ROOT) not in sys.path:  # lets tests import `tests.hf_oracle`
 
 torch.set_num_threads(2)
 
+# The suite runs in fp32 on every CPU: `model.dtype: auto` would train in bf16 on one with fast bf16 (Zen 4/5,
+# Sapphire Rapids), and the oracles and bit-exact checks are fp32's. Tests of the bf16 paths force the features
+# themselves; set POSTTRAIN_CPU_FEATURES before pytest to run the whole suite as another CPU would.
+os.environ.setdefault("POSTTRAIN_CPU_FEATURES", "avx avx2 fma")
+
 # Trackio reads TRACKIO_DIR once, when it is first imported, and `import trl` imports it: so the store is set
 # here, before any test module loads. Otherwise the tests write to the user's own store (HF_HOME/trackio), where
 # the runs of an earlier suite stay and are found again under the same project and run names.

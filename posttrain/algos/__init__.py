@@ -1,5 +1,5 @@
 """Algorithm math as pure tensor functions: advantages, KL estimators, policy / value / preference
-losses, loss aggregation, the RL objective that composes them, and memory-lean log-probabilities.
+losses, loss aggregation, off-policy (IS) correction, the RL objective that composes them, and memory-lean log-probabilities.
 Imports nothing else of posttrain.
 
 Each family has a registry mapping a config name to one function per variant.
@@ -11,6 +11,7 @@ from posttrain.algos.advantages import (
     soft_overlong_penalty,
 )
 from posttrain.algos.aggregation import AGGREGATIONS
+from posttrain.algos.importance import CORRECTIONS, OffPolicyParams, off_policy_weights
 from posttrain.algos.kl import KL_ESTIMATORS
 from posttrain.algos.logprobs import chunked_cross_entropy, entropy_from_logits, token_logprobs
 from posttrain.algos.losses import POLICY_LOSSES, value_loss
@@ -21,8 +22,10 @@ from posttrain.algos.preference import PREFERENCE_LOSSES
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "CORRECTIONS",
     "KL_ESTIMATORS",
     "ObjectiveParams",
+    "OffPolicyParams",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "chunked_cross_entropy",
@@ -30,6 +33,7 @@ __all__ = [
     "entropy_from_logits",
     "masked_mean",
     "masked_whiten",
+    "off_policy_weights",
     "rl_objective",
     "soft_overlong_penalty",
     "token_logprobs",

@@ -1,7 +1,8 @@
 """The RL objective of one (micro-)batch as one pure function: tensors and plain hyperparameters in, loss
 sums with their normalisers and detached metrics out.
 
-Per token, with w the truncated importance weight min(pi_old / pi_sampler, tis_cap) (1 when off):
+Per token, with w the off-policy weight of pi_old against the sampler (`importance`: truncated or masked IS,
+per token or per sequence; 1 when off):
 
     l_t = w_t * policy_loss_t(logprobs, old_logprobs, advantages)
           + kl_coef * KL_t(pi || pi_ref) - entropy_coef * H_t
@@ -17,8 +18,8 @@ is that of the whole minibatch at once; one batch on its own gives `LossSum.mean
 How TRL's GRPOTrainer `loss_type` values map here (trl 1.16 `_compute_loss`; tests/algos/test_trl_grpo.py):
     grpo    = ppo_clip + seq-mean-token-mean      bnpo    = ppo_clip + token-mean
     dr_grpo = ppo_clip + seq-mean-token-sum-norm  dapo    = dapo + token-mean
-with TRL's beta the kl_coef (k3), and its vLLM importance-sampling correction ("token_truncate") the TIS
-weight. TRL's entropy bonus is always a token mean; here it is aggregated with the policy term, which is
+with TRL's beta the kl_coef (k3), and its vLLM importance-sampling correction the off-policy weight
+(token_truncate / sequence_truncate: tis; token_mask / sequence_mask: mis, up to the weight of kept samples). TRL's entropy bonus is always a token mean; here it is aggregated with the policy term, which is
 the same thing under token-mean (bnpo, dapo) only.
 
 Shapes: logprobs, old_logprobs, rollout_logprobs, ref_logprobs, entropy, values, old_values, returns and
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 
 from posttrain.algos.aggregation import AGGREGATIONS, token_mean
+from posttrain.algos.importance import OffPolicyParams, off_policy_weights
 from posttrain.algos.kl import KL_ESTIMATORS
 from posttrain.algos.losses import POLICY_LOSSES, value_loss
 from posttrain.algos.masked import masked_mean
@@ -48,7 +50,7 @@ class ObjectiveParams:
     aggregation: str  # AGGREGATIONS key
     max_len: int  # the configured maximum response length (read by seq-mean-token-sum-norm)
     loss_params: Mapping[str, Any] = field(default_factory=dict)  # the policy loss's keywords (clip range, ...)
-    tis_cap: float | None = None  # truncated importance sampling against the sampler's logprobs; None: off
+    off_policy: OffPolicyParams | None = None  # IS correction against the sampler's logprobs; None: off
     kl_estimator: str = "k3"  # KL_ESTIMATORS key
     kl_coef: float = 0.0  # weight of the KL loss term; 0 with ref_logprobs given: KL measured, not optimised
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted)
@@ -100,18 +102,18 @@ def rl_objective(
     """The objective over one batch (see the module docstring).
 
     old_logprobs None: pi_old is logprobs itself, detached (a single update per rollout: ratio 1).
-    rollout_logprobs: the sampler's logprobs, needed with tis_cap. ref_logprobs: the reference policy's,
+    rollout_logprobs: the sampler's (behaviour policy's) logprobs, needed with off_policy. ref_logprobs: the reference policy's,
     needed with kl_coef > 0 (given with kl_coef 0, the KL is only measured). entropy: needed with
     entropy_coef > 0 (given otherwise, only measured). values, old_values, returns: all three or none.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     per_token, metrics = POLICY_LOSSES[params.policy_loss](logprobs, old, advantages, mask, **params.loss_params)
-    if params.tis_cap is not None:
+    if params.off_policy is not None:
         if rollout_logprobs is None:
-            raise ValueError("tis_cap needs rollout_logprobs, the sampler's logprobs")
-        weight = torch.exp(old - rollout_logprobs).clamp(max=params.tis_cap).detach()  # (B, T)
+            raise ValueError("off_policy needs rollout_logprobs, the sampler's logprobs")
+        weight, weight_metrics = off_policy_weights(old, rollout_logprobs, mask, params.off_policy)  # (B, T)
         per_token = per_token * weight
-        metrics["tis/weight_mean"] = masked_mean(weight, mask)
+        metrics.update(weight_metrics)
     if ref_logprobs is not None:
         kl = KL_ESTIMATORS[params.kl_estimator](logprobs, ref_logprobs)  # (B, T)
         metrics["kl"] = masked_mean(kl.detach(), mask)

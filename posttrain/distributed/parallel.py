@@ -79,14 +79,20 @@ class Parallel:
         *,
         beside: dict[str, nn.Module] | None = None,
         unused_parameters: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """`beside`: modules trained next to the model, whose gradients are reduced with it (ddp: in DDP's buckets;
         fsdp2: sharded by the root group, beside the embeddings). `unused_parameters`: some trainable parameters
-        get no gradient in a step (DDP must look for them)."""
+        get no gradient in a step (DDP must look for them). `compute_dtype`: run the forwards under autocast to
+        it over the model's own (master) weights, e.g. bf16 on a CPU with fast bf16 (`model.dtype: auto`)."""
         self.model, self.section, self.ctx = model, section, ctx
         self.strategy = section.strategy
         device = next(model.parameters()).device
         self.autocast = section.mixed_precision and self._mixed_precision_usable(model, device)
+        # (device type, dtype) of the autocast around every forward; None: none (the weights' own dtype).
+        self.compute_autocast: tuple[str, torch.dtype] | None = None
+        if compute_dtype is not None:
+            self.compute_autocast = (device.type, compute_dtype)
         # fsdp2: the structure of each module, for gathering it whole later (`whole`); taken before the layers'
         # forwards are wrapped for checkpointing and before fully_shard turns the Parameters into shards.
         self._skeletons: dict[int, nn.Module] = {}
@@ -109,6 +115,8 @@ class Parallel:
         elif self.strategy == "fsdp2":
             self.wrapped = self._fully_shard(model, beside)
             self.autocast = False  # FSDP2's own MixedPrecisionPolicy casts the gathered parameters
+        if self.autocast:
+            self.compute_autocast = ("cuda", torch.bfloat16)
 
     def _mixed_precision_usable(self, model: nn.Module, device: torch.device) -> bool:
         if device.type != "cuda":
@@ -173,7 +181,7 @@ class Parallel:
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(model, *args)` through the DDP / FSDP2 hooks (a plain call with strategy none)."""
-        with torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext():
+        with self.compute():
             if self.wrapped is None:
                 return fn(self.model, *args)
             out = self.wrapped(fn, *args)
@@ -183,6 +191,13 @@ class Parallel:
             # expect the shards.
             self.wrapped.reshard()  # type: ignore[operator]
         return out
+
+    def compute(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast every forward of the run computes under (a no-op without one)."""
+        if self.compute_autocast is None:
+            return contextlib.nullcontext()
+        device_type, dtype = self.compute_autocast
+        return torch.autocast(device_type, dtype=dtype)
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -273,4 +288,5 @@ def run_module(parallel: Parallel | None, module: nn.Module, fn: Callable[..., T
     FSDP2 its weights are whole only inside them), a plain call otherwise (one process, or a frozen copy)."""
     if parallel is not None and module is parallel.model:
         return parallel.run(fn, *args)
-    return fn(module, *args)
+    with parallel.compute() if parallel is not None else contextlib.nullcontext():  # a frozen copy computes alike
+        return fn(module, *args)

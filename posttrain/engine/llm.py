@@ -195,6 +195,11 @@ class LLM:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the engine's forwards compute in: its weights' (the logprobs it returns are fp32 either way)."""
+        return self.engine.compute_dtype
+
     def sleep(self) -> None:
         """Free the KV pool (e.g. while the trainer needs the memory)."""
         self.engine.sleep()

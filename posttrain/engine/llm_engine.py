@@ -67,13 +67,18 @@ class LLMEngine:
         self.num_processed_tokens = 0  # tokens through the model (prefill + decode), for throughput figures
         self._seed_rng = random.Random(0)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forwards compute (and the KV cache stores) in: the module's weights'."""
+        return next(self.model.parameters()).dtype
+
     # ---- sizing -----------------------------------------------------------------------------------
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        element = torch.empty(0, dtype=next(self.model.parameters()).dtype).element_size()
+        element = torch.empty(0, dtype=self.compute_dtype).element_size()
         block_bytes = self.model.config.kv_bytes_per_token(element) * cfg.block_size
         device = next(self.model.parameters()).device
         budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * free_device_memory(device))

@@ -40,9 +40,10 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """'bf16' / 'float32' / torch.dtype / None -> torch.dtype | None, with a clear error for anything else."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
+    """'bf16' / 'float32' / torch.dtype / None -> torch.dtype | None, with a clear error for anything else.
+    'auto' is None: the loader's default for the device (the compute dtype is the trainers' business)."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return None if dtype == "auto" else dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     return DTYPES[dtype]

@@ -274,7 +274,8 @@ def train_distill(cfg: DistillConfig) -> Path:
 
     student.train()
     # The teacher stays a whole frozen copy on every rank; the student is what the strategy spreads.
-    parallel = Parallel(student, cfg.dist, ctx)  # before the optimizer: FSDP2 replaces the Parameters by shards
+    # Before the optimizer: FSDP2 replaces the Parameters by shards.
+    parallel = Parallel(student, cfg.dist, ctx, compute_dtype=model_section.autocast_dtype(student))
     parallel.check_divides("train.batch_size", train_cfg.batch_size)
     optimizer = build_optimizer(student, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
     scheduler = build_scheduler(

@@ -143,7 +143,14 @@ def train_reward_model(cfg: RMConfig) -> Path:
     max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
     # The head's gradients are reduced with the trunk's; the trunk's LM head (untied) never gets one.
     tied = trunk.lm_head.weight is trunk.embed_tokens.weight
-    parallel = Parallel(trunk, cfg.dist, ctx, beside={"head": rm.head}, unused_parameters=not tied)
+    parallel = Parallel(
+        trunk,
+        cfg.dist,
+        ctx,
+        beside={"head": rm.head},
+        unused_parameters=not tied,
+        compute_dtype=model_section.autocast_dtype(trunk),
+    )
     parallel.check_divides("train.batch_size", cfg.train.batch_size)
     start = open_run("rm", cfg)
     run_dir = start.run_dir

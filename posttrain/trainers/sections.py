@@ -5,24 +5,50 @@ A trainer's config is a dataclass built from these plus its own sections (see `S
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
+from posttrain.hardware import auto_dtype
+from posttrain.models.checkpoint_io import DTYPES
 from posttrain.models.hub import DEFAULT_MODEL
+from posttrain.models.transformer import Transformer
 from posttrain.trackers import check_installed, resolve_report_to
 from posttrain.trainers.schedule import SCHEDULES
+
+logger = logging.getLogger("posttrain.trainers")
 
 
 @dataclass
 class ModelSection:
     name_or_path: str = DEFAULT_MODEL  # HF directory, .gguf file or known name
-    dtype: str | None = None  # float32 | bfloat16 | float16; default fp32 on CPU, bf16 on GPU
+    # auto | float32 | bfloat16 | float16. auto (null too): bf16 on GPU; on CPU fp32 weights, and the training
+    # forwards in bf16 under autocast where the CPU has fast bf16 (posttrain.hardware; `posttrain info` says which).
+    dtype: str | None = "auto"
     device: str | None = None  # cpu | cuda | cuda:N; default cuda if available
     # CPU with glibc: `keep` leaves glibc's own policy, which holds freed blocks as heap holes (resident memory
     # 10-30% above the live tensors); `release` hands freed tensor memory back to the OS while training, so
     # resident memory follows the live tensors (what `posttrain estimate` counts) at a cost in page faults
     # (LoRA SFT steps 1.5x slower here; posttrain.cpu_malloc, docs/estimate.md).
     cpu_memory: Literal["keep", "release"] = "keep"
+
+    def validate(self) -> None:
+        if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def autocast_dtype(self, model: Transformer) -> torch.dtype | None:
+        """The dtype the training forwards of `model` (as loaded from this section) autocast to: bf16 with `auto`
+        on a CPU whose bf16 is fast, over the fp32 (master) weights; None otherwise: the weights' own dtype,
+        today's path bit for bit."""
+        if self.dtype not in (None, "auto") or model.device.type != "cpu" or model.dtype != torch.float32:
+            return None
+        choice = auto_dtype("cpu")
+        if choice.dtype != "bfloat16":
+            return None
+        logger.info("posttrain: model.dtype=auto computes the training forwards in bf16 (%s)", choice.reason)
+        return torch.bfloat16
 
 
 @dataclass

@@ -215,7 +215,8 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     ctx, model_section = join_processes(cfg.dist, cfg.model)
     model, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant, qat=cfg.qat)
     model.train()
-    parallel = Parallel(model, cfg.dist, ctx)  # before the optimizer: FSDP2 replaces the Parameters by shards
+    # Before the optimizer: FSDP2 replaces the Parameters by shards.
+    parallel = Parallel(model, cfg.dist, ctx, compute_dtype=model_section.autocast_dtype(model))
     parallel.check_divides("train.batch_size", cfg.train.batch_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:

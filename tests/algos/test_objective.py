@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from posttrain.algos.aggregation import AGGREGATIONS
+from posttrain.algos.importance import OffPolicyParams
 from posttrain.algos.objective import ObjectiveParams, rl_objective
 
 B, T, MAX_LEN = 9, 7, 8
@@ -59,7 +60,7 @@ def test_micro_batch_sums_over_summed_normalisers_are_the_whole_batch(aggregatio
         aggregation,
         MAX_LEN,
         {"clip_eps_low": 0.2, "clip_eps_high": 0.28},
-        tis_cap=1.1,
+        off_policy=OffPolicyParams("tis", cap=1.1),
         kl_coef=0.05,
         entropy_coef=0.01,
     )
@@ -100,7 +101,7 @@ def test_value_term_is_the_token_mean_of_the_clipped_value_loss() -> None:
 @pytest.mark.parametrize(
     "terms, missing, match",
     [
-        ({"tis_cap": 2.0}, "rollout_logprobs", "tis_cap needs rollout_logprobs"),
+        ({"off_policy": OffPolicyParams("mis")}, "rollout_logprobs", "off_policy needs rollout_logprobs"),
         ({"kl_coef": 0.1}, "ref_logprobs", "kl_coef > 0 needs ref_logprobs"),
         ({"entropy_coef": 0.1}, "entropy", "entropy_coef > 0 needs the entropy"),
         ({}, "returns", "needs values, old_values and returns"),

@@ -26,6 +26,7 @@ from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd  # noqa: E402
 
 from posttrain.algos.advantages import grpo_advantages, rloo_advantages  # noqa: E402
+from posttrain.algos.importance import OffPolicyParams  # noqa: E402
 from posttrain.algos.objective import ObjectiveParams, rl_objective  # noqa: E402
 
 from .trl_stubs import FakeAccelerator, new_metrics  # noqa: E402
@@ -53,7 +54,7 @@ def _grpo_trainer(
     trainer.beta, trainer.epsilon_low, trainer.epsilon_high = params.kl_coef, eps_low, eps_high
     trainer.top_entropy_quantile, trainer.off_policy_mask_threshold = 1.0, None
     # The vLLM importance-sampling correction multiplies the per-token loss by inputs["importance_sampling_ratio"].
-    trainer.use_vllm = trainer.vllm_importance_sampling_correction = params.tis_cap is not None
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = params.off_policy is not None
     trainer.current_gradient_accumulation_steps = 1
     trainer.max_completion_length = MAX_LEN
     trainer.entropy_coef, trainer.use_adaptive_entropy = params.entropy_coef, False
@@ -63,10 +64,15 @@ def _grpo_trainer(
     return trainer
 
 
-def trl_truncated_is_ratio(old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """trl/trainer/grpo_trainer.py (1.16.0) lines 2659-2685, vllm_importance_sampling_mode "token_truncate"
-    with no lower clip: the per-token weight TRL hands its loss as inputs["importance_sampling_ratio"]."""
+def trl_truncated_is_ratio(
+    old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, cap: float, level: str = "token"
+) -> torch.Tensor:
+    """trl/trainer/grpo_trainer.py (1.16.0) lines 2659-2685, vllm_importance_sampling_mode "token_truncate" or
+    "sequence_truncate" with no lower clip: the weight TRL hands its loss as inputs["importance_sampling_ratio"],
+    (B, T) per token, (B, 1) per sequence."""
     per_token_logps_diff = torch.nan_to_num((old - sampler) * mask, nan=0.0)
+    if level == "sequence":
+        per_token_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
     return torch.clamp(torch.exp(per_token_logps_diff), min=None, max=cap)
 
 
@@ -106,7 +112,8 @@ CASES = {
 TERMS = {
     "policy": {},
     "kl": {"kl_coef": 0.04},
-    "tis+kl": {"tis_cap": TIS_CAP, "kl_coef": 0.04},
+    "tis+kl": {"off_policy": OffPolicyParams("tis", "token", cap=TIS_CAP), "kl_coef": 0.04},
+    "seq_tis+kl": {"off_policy": OffPolicyParams("tis", "sequence", cap=TIS_CAP), "kl_coef": 0.04},
     "entropy+kl": {"entropy_coef": 0.03, "kl_coef": 0.04},
 }
 TOKEN_MEAN_CASES = ("bnpo", "dapo")  # where TRL's entropy bonus (a token mean) is ours
@@ -151,9 +158,10 @@ def test_objective_matches_trl_grpo_trainer(case: str, terms: str, dtype: torch.
         "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(),
     }
-    if params.tis_cap is not None:
-        weight = trl_truncated_is_ratio(old, sampler, mask, params.tis_cap)
-        assert ((weight == params.tis_cap) & mask.bool()).any() and ((weight < 1) & mask.bool()).any()
+    if params.off_policy is not None:
+        cap, level = params.off_policy.cap, params.off_policy.level
+        weight = trl_truncated_is_ratio(old, sampler, mask, cap, level)
+        assert (weight == cap).any() and (weight < 1).any()  # some truncated, some below 1
         inputs["importance_sampling_ratio"] = weight
     trl_loss = trainer._compute_loss(None, inputs)
     trl_loss.backward()

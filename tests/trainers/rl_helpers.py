@@ -62,3 +62,19 @@ def reward_file(tmp_path: Path) -> Path:
     path = tmp_path / "rewards_for_test.py"
     path.write_text(REWARD_SOURCE)
     return path
+
+
+def rl_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    """A tiny GRPO / PPO run's dotted overrides: 2 prompts x 4 samples of 6 tokens, the char_mix reward, no
+    held-out evaluation, into tmp_path / name; `extra` after them."""
+    return [
+        f"out={tmp_path / name}",
+        f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_tokens=6",
+        "data.eval_size=0",
+        "log.progress=false",
+        "dapo.overlong_cache_len=4",
+        *extra,
+    ]

@@ -16,7 +16,7 @@ from posttrain.engine import SamplingParams
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.trainers.rl import rl_step, setup_run, train_grpo, train_ppo
 from posttrain.trainers.rl.config import ALGORITHMS, GRPOConfig, PPOConfig
-from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+from tests.trainers.rl_helpers import reward_file, rl_overrides, tiny_model, tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,26 +26,12 @@ def tok():
     return tokenizer()
 
 
-def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    return [
-        f"out={tmp_path / name}",
-        f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-        "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4",
-        "rollout.max_tokens=6",
-        "data.eval_size=0",
-        "log.progress=false",
-        "dapo.overlong_cache_len=4",
-        *extra,
-    ]
-
-
 def _weights(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
 def test_one_step_updates_the_weights_the_engine_runs(tmp_path: Path, tok) -> None:
-    cfg = load_config(GRPOConfig, None, _overrides(tmp_path, "step", "optim.lr=1e-2"))
+    cfg = load_config(GRPOConfig, None, rl_overrides(tmp_path, "step", "optim.lr=1e-2"))
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     probe = [{"role": "user", "content": "What is 40 plus 2?"}]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, logprobs=True)
@@ -65,7 +51,7 @@ def test_one_step_updates_the_weights_the_engine_runs(tmp_path: Path, tok) -> No
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_preset_steps_without_nan(tmp_path: Path, tok, algorithm: str) -> None:
     extra = [f"algorithm={algorithm}", "kl.beta=0.05", "train.epochs=2", "train.minibatch_size=4"]
-    cfg = load_config(GRPOConfig, None, _overrides(tmp_path, algorithm, *extra))
+    cfg = load_config(GRPOConfig, None, rl_overrides(tmp_path, algorithm, *extra))
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     metrics = rl_step(run, 1)
     assert metrics["optimizer_steps"] == 4  # 2 epochs x 2 minibatches
@@ -81,7 +67,7 @@ def test_dapo_drops_zero_variance_groups_and_refills(tmp_path: Path, tok) -> Non
         "rollout.prompts_per_step=4",
         "dapo.max_refill_rounds=2",
     ]
-    cfg = load_config(GRPOConfig, None, _overrides(tmp_path, "dapo-refill", *extra))
+    cfg = load_config(GRPOConfig, None, rl_overrides(tmp_path, "dapo-refill", *extra))
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     metrics = rl_step(run, 1)
     assert metrics["dapo/dropped_groups"] > 0 and metrics["dapo/refill_rounds"] >= 1
@@ -94,7 +80,7 @@ def test_micro_batching_does_not_change_the_gradient(tmp_path: Path, tok, algori
     norms = []
     for micro in (8, 4):
         extra = [f"algorithm={algorithm}", f"train.micro_batch_size={micro}", "dapo.dynamic_sampling=false"]
-        cfg = load_config(GRPOConfig, None, _overrides(tmp_path, f"micro{algorithm}{micro}", *extra))
+        cfg = load_config(GRPOConfig, None, rl_overrides(tmp_path, f"micro{algorithm}{micro}", *extra))
         run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
         norms.append(rl_step(run, 1)["grad_norm"])
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-4)
@@ -115,24 +101,24 @@ def test_kl_in_reward_and_tis(tmp_path: Path, tok, old_logprobs: str) -> None:
         f"train.old_logprobs={old_logprobs}",
         "train.epochs=2",
     ]
-    cfg = load_config(GRPOConfig, None, _overrides(tmp_path, f"klr-{old_logprobs}", *extra))
+    cfg = load_config(GRPOConfig, None, rl_overrides(tmp_path, f"klr-{old_logprobs}", *extra))
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     metrics = rl_step(run, 1)
     assert math.isfinite(metrics["kl/in_reward_mean"])
     if old_logprobs == "rollout":  # pi_old is the engine's logprobs: no extra pass, and a weight of 1 exactly
-        assert "time/old_pass_s" not in metrics and metrics["tis/weight_mean"] == 1.0
+        assert "time/old_pass_s" not in metrics and metrics["off_policy/weight_mean"] == 1.0
         return
     # pi_old from the trainer's own no-grad pass, at the weights that sampled: each TIS weight
     # exp(old - engine) lies within expm1(tol) of 1, and so does their mean.
     assert "time/old_pass_s" in metrics
     assert metrics["mismatch/abs_diff_max"] <= ENGINE_DENSE_LOGPROB_TOL
-    assert abs(metrics["tis/weight_mean"] - 1.0) <= math.expm1(ENGINE_DENSE_LOGPROB_TOL)
+    assert abs(metrics["off_policy/weight_mean"] - 1.0) <= math.expm1(ENGINE_DENSE_LOGPROB_TOL)
 
 
 def test_lora_trains_adapters_with_the_base_as_reference(tmp_path: Path, tok) -> None:
     from posttrain.peft import lora_state_dict
 
-    cfg = load_config(GRPOConfig, None, _overrides(tmp_path, "lora", "lora.r=4", "kl.beta=0.1", "optim.lr=1e-2"))
+    cfg = load_config(GRPOConfig, None, rl_overrides(tmp_path, "lora", "lora.r=4", "kl.beta=0.1", "optim.lr=1e-2"))
     model = tiny_model(tok)
     embed = model.embed_tokens.weight.detach().clone()
     run = setup_run(cfg, "grpo", model=model, tokenizer=tok)
@@ -153,7 +139,7 @@ def test_ppo_value_loss_falls(tmp_path: Path, tok) -> None:
         "rollout.prompts_per_step=4",
         "rollout.samples_per_prompt=2",
     ]
-    cfg = load_config(PPOConfig, None, _overrides(tmp_path, "ppo", *extra))
+    cfg = load_config(PPOConfig, None, rl_overrides(tmp_path, "ppo", *extra))
     run = setup_run(cfg, "ppo", model=tiny_model(tok), tokenizer=tok)
     losses = [rl_step(run, step)["loss/value"] for step in range(1, 6)]
     assert all(math.isfinite(v) for v in losses)
@@ -161,7 +147,7 @@ def test_ppo_value_loss_falls(tmp_path: Path, tok) -> None:
 
 
 def test_train_grpo_end_to_end_writes_the_run(tmp_path: Path, tok) -> None:
-    overrides = _overrides(tmp_path, "e2e", "train.max_steps=2", "data.eval_size=3")
+    overrides = rl_overrides(tmp_path, "e2e", "train.max_steps=2", "data.eval_size=3")
     cfg = load_config(GRPOConfig, None, overrides)
     run_dir = train_grpo(cfg, model=tiny_model(tok), tokenizer=tok)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -199,7 +185,7 @@ def test_time_budget_starts_no_step_that_would_not_fit(tmp_path: Path, tok, monk
 
     real_step = rl.rl_step
     monkeypatch.setattr(rl, "rl_step", lambda run, step: {**real_step(run, step), "time/step_s": 100.0})
-    overrides = _overrides(tmp_path, "budget", "train.max_steps=5", "train.max_minutes=1", "data.eval_size=2")
+    overrides = rl_overrides(tmp_path, "budget", "train.max_steps=5", "train.max_minutes=1", "data.eval_size=2")
     run_dir = train_grpo(load_config(GRPOConfig, None, overrides), model=tiny_model(tok), tokenizer=tok)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward/mean" in r] == [1]
@@ -210,7 +196,7 @@ def test_time_budget_starts_no_step_that_would_not_fit(tmp_path: Path, tok, monk
 
 
 def test_train_ppo_end_to_end_saves_the_value_head(tmp_path: Path, tok) -> None:
-    overrides = _overrides(tmp_path, "ppo-e2e", "train.max_steps=1", "train.minibatch_size=4", "train.epochs=1")
+    overrides = rl_overrides(tmp_path, "ppo-e2e", "train.max_steps=1", "train.minibatch_size=4", "train.epochs=1")
     run_dir = train_ppo(load_config(PPOConfig, None, overrides), model=tiny_model(tok), tokenizer=tok)
     assert (run_dir / "final" / "value_head.safetensors").is_file()
 
@@ -228,14 +214,14 @@ def _fails_before_compute(monkeypatch, tmp_path: Path, overrides: list[str], mat
 
 
 def test_reward_with_wrong_signature_fails_first(monkeypatch, tmp_path: Path) -> None:
-    bad = _overrides(tmp_path, "bad") + [f"reward.functions=[{reward_file(tmp_path)}:two_args]"]
+    bad = rl_overrides(tmp_path, "bad") + [f"reward.functions=[{reward_file(tmp_path)}:two_args]"]
     _fails_before_compute(monkeypatch, tmp_path, bad, "two_args")
 
 
 def test_dataset_without_prompt_column_fails_first(monkeypatch, tmp_path: Path) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(5)) + "\n")
-    bad = _overrides(tmp_path, "bad", "data.task=null", f"data.path={data}")
+    bad = rl_overrides(tmp_path, "bad", "data.task=null", f"data.path={data}")
     _fails_before_compute(monkeypatch, tmp_path, bad, "no prompt column 'prompt'")
 
 

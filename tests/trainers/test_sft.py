@@ -18,20 +18,10 @@ from posttrain.models.checkpoint_io import ours_to_hf
 from posttrain.models.hub import load_model
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.sft import SFTConfig, sft_loss_sum, train_sft
-from tests.data.tiny import QA, save_tiny_model_dir, tiny_tokenizer, write_qa_jsonl
+from tests.data.tiny import QA, tiny_tokenizer
 from tests.numeric import EQUIVALENCE_EPS, adam_drift, assert_reordered, reorder_close
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    return write_qa_jsonl(tmp_path_factory.mktemp("data") / "qa.jsonl")
 
 
 def chat_rows(n: int = len(QA)):

@@ -372,7 +372,7 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         run = DPORun(cfg, model, data.train, data.eval, pad_id)
     # After the reference took the initial weights (a precomputed table or a plain frozen copy on every rank),
     # before the optimizer: FSDP2 replaces the Parameters by their shards.
-    parallel = Parallel(model, cfg.dist, ctx)
+    parallel = Parallel(model, cfg.dist, ctx, compute_dtype=cfg.model.autocast_dtype(model))
     if parallel.wrapped is not None:
         parallel.check_divides("train.batch_size", train_cfg.batch_size)
         run.distribute(parallel)

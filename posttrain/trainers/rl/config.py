@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from posttrain.algos.importance import OffPolicyParams
 from posttrain.algos.objective import ObjectiveParams
 from posttrain.distributed.config import DistSection
 from posttrain.engine.config import EngineConfig
@@ -134,6 +135,28 @@ class RolloutSection:
 
 
 @dataclass
+class OffPolicySection:
+    """`train.off_policy`: importance-sampling correction of pi_old against the engine's logprobs (the behaviour
+    policy), posttrain.algos.importance. ratio = pi_old / pi_engine, per token or per sequence (the product)."""
+
+    # auto: none while the engine computes in the update's dtype; tis per token (cap) when they differ (a bf16
+    # update over an fp32 engine on a fast-bf16 CPU, say). tis: weight min(ratio, cap). mis: tokens (or whole
+    # sequences) whose ratio is outside [low, high] leave the loss. none: off.
+    mode: Literal["auto", "none", "tis", "mis"] = "auto"
+    level: Literal["token", "sequence"] = "token"
+    cap: float = 2.0  # tis
+    low: float | None = None  # mis; null: 1 / high
+    high: float = 2.0  # mis
+
+    def validate(self) -> None:
+        _need(self.mode in ("auto", "none", "tis", "mis"), f"mode must be auto, none, tis or mis, got {self.mode!r}")
+        self.params("tis")  # the bounds, checked whatever the mode
+
+    def params(self, mode: str) -> OffPolicyParams:
+        return OffPolicyParams(mode, self.level, cap=self.cap, low=self.low, high=self.high)
+
+
+@dataclass
 class RLTrainSection:
     """`train:` of grpo / ppo. Its `epochs` are PPO epochs: updates over each step's rollout batch (the batch
     is sampled fresh every step), not passes over the prompt data as the offline trainers' `epochs` are
@@ -156,8 +179,9 @@ class RLTrainSection:
     # is exactly zero (outcome advantages; no KL loss, entropy bonus, value or router loss). The gradient
     # is unchanged; entropy / clip / mismatch metrics then cover the samples that train.
     skip_zero_advantage: bool = True
-    # Truncated importance sampling against the engine's logprobs (behaviour policy):
-    # each token's loss is weighted by min(pi_old / pi_engine, tis_cap). None: off.
+    # Off-policy correction against the engine's logprobs (see OffPolicySection).
+    off_policy: OffPolicySection = field(default_factory=OffPolicySection)
+    # The older switch, kept as an alias: tis_cap C is off_policy {mode: tis, level: token, cap: C}. None: unset.
     tis_cap: float | None = None
     seed: int = 0
     save_every: int = 0  # steps between checkpoints/step-N (resumable with resume=auto); 0: only the final model
@@ -180,6 +204,20 @@ class RLTrainSection:
             value = getattr(self, name)
             _need(value is None or value >= 1, f"{name} must be >= 1, got {value}")
         _need(self.tis_cap is None or self.tis_cap >= 1, f"tis_cap must be >= 1, got {self.tis_cap}")
+        _need(
+            self.tis_cap is None or self.off_policy == OffPolicySection(),
+            "set train.tis_cap or train.off_policy, not both (tis_cap C is off_policy {mode: tis, cap: C})",
+        )
+
+    def off_policy_params(self, rollout_mismatch: bool) -> OffPolicyParams | None:
+        """The correction the update applies; `rollout_mismatch`: the engine computes in another dtype than the
+        update (what mode auto turns token-level TIS on for)."""
+        section = self.off_policy
+        if self.tis_cap is not None:
+            return OffPolicyParams("tis", "token", cap=self.tis_cap)
+        if section.mode == "auto":
+            return section.params("tis") if rollout_mismatch else None
+        return None if section.mode == "none" else section.params(section.mode)
 
 
 def _rl_optim() -> OptimSection:
@@ -399,16 +437,17 @@ def resolve_algorithm(cfg: RLConfig) -> ResolvedAlgorithm:
     )
 
 
-def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm) -> ObjectiveParams:
+def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm, rollout_mismatch: bool = False) -> ObjectiveParams:
     """The update's loss hyperparameters, read from the config once: the KL is a loss term unless it
-    shapes the reward (kl.in_reward), where the update only measures it."""
+    shapes the reward (kl.in_reward), where the update only measures it. `rollout_mismatch`: the engine computes
+    in another dtype than the update (train.off_policy.mode auto then corrects for it)."""
     value = {"value_clip": cfg.ppo.value_clip} if isinstance(cfg, PPOConfig) else {}
     return ObjectiveParams(
         policy_loss=algo.policy_loss,
         aggregation=algo.aggregation,
         max_len=cfg.rollout.max_tokens,
         loss_params=algo.loss_kwargs,
-        tis_cap=cfg.train.tis_cap,
+        off_policy=cfg.train.off_policy_params(rollout_mismatch),
         kl_estimator=cfg.kl.estimator,
         kl_coef=0.0 if cfg.kl.in_reward else cfg.kl.beta,
         entropy_coef=cfg.loss.entropy_coef,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ from posttrain.trainers.rl.config import (
 )
 from posttrain.trainers.rl.ppo import ValueHead, save_value_head
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+
+logger = logging.getLogger("posttrain.trainers")
 
 
 @dataclass
@@ -136,7 +139,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         value_head = ValueHead(model.config.hidden_size, model.dtype, model.device)
     beside = {"value_head": value_head} if value_head is not None else None
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
-    parallel = Parallel(model, dist_section, ctx, beside=beside)
+    parallel = Parallel(model, dist_section, ctx, beside=beside, compute_dtype=model_section.autocast_dtype(model))
     try:
         rank_sizes = rank_batch_sizes(
             cfg, parallel.world
@@ -195,7 +198,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         reference,
         guard=BadStepGuard(cfg.train.max_bad_steps),
         parallel=parallel,
-        objective=objective_params(cfg, algo),
+        objective=objective_params(cfg, algo, rollout_mismatch=_announce_mismatch(cfg, parallel, llm)),
         rank_sizes=rank_sizes,
     )
     # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
@@ -217,6 +220,24 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
     if start.checkpoint is not None:
         run.start_step = run.checkpointer.restore(start.checkpoint)
     return run
+
+
+def _announce_mismatch(cfg: RLConfig, parallel: Parallel, llm: LLM) -> bool:
+    """Whether the engine computes in another dtype than the update; says so once, with the correction
+    train.off_policy.mode=auto turns on for it (the engine's logprobs are then a slightly other policy's)."""
+    update_dtype = parallel.compute_autocast[1] if parallel.compute_autocast is not None else parallel.model.dtype
+    if llm.compute_dtype == update_dtype:
+        return False
+    correction = cfg.train.off_policy_params(rollout_mismatch=True)
+    what = "no correction" if correction is None else f"{correction.mode} per {correction.level}"
+    logger.info(
+        "posttrain: the rollout engine computes in %s and the update in %s; off-policy correction: %s "
+        "(train.off_policy)",
+        str(llm.compute_dtype).removeprefix("torch."),
+        str(update_dtype).removeprefix("torch."),
+        what if correction is None or correction.mode != "tis" else f"{what}, cap {correction.cap}",
+    )
+    return True
 
 
 def rollout_weights(run: RLRun) -> AbstractContextManager[Lockstep]:

@@ -21,8 +21,9 @@ pi_old, the denominator of the importance ratio (`train.old_logprobs`):
   - several updates: a no-grad pass before the first update ("recompute"), or the engine's sampling
     logprobs ("rollout"), which come from the same weights through the paged kernel (they agree with
     the dense forward to ~1e-5 in fp32; bf16 kernels differ more, so recompute is the default).
-  The engine's logprobs are always the behaviour policy: `train.tis_cap` weighs each token's loss by
-  min(pi_old / pi_engine, cap) (truncated importance sampling), and `mismatch/*` metrics report the
+  The engine's logprobs are always the behaviour policy: `train.off_policy` weighs each token's loss by
+  min(pi_old / pi_engine, cap) (truncated IS) or masks it out of the band (masked IS), per token or per
+  sequence, and on its own when the engine and the update compute in other dtypes; `mismatch/*` report the
   trainer-engine difference on the first update of every step.
 """
 
