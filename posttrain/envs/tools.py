@@ -152,7 +152,7 @@ class _TimedOut(Exception):
 
 def _call_with_timeout(tool: Tool, arguments: Mapping[str, Any], timeout_s: float) -> Any:
     if tool.is_async:
-        return _run_coroutine(lambda: _awaited_within(tool.function(**arguments), timeout_s))
+        return run_coroutine(lambda: _awaited_within(tool.function(**arguments), timeout_s))
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -181,8 +181,9 @@ async def _awaited_within(coroutine: Any, timeout_s: float) -> Any:
     return task.result()
 
 
-def _run_coroutine(make: Callable[[], Any]) -> Any:
-    """Run a coroutine to its end from sync code, also when this thread already runs an event loop."""
+def run_coroutine(make: Callable[[], Any]) -> Any:
+    """Run the coroutine `make()` returns to its end from sync code, also when this thread runs an event loop
+    (then in a thread of its own: asyncio.run cannot nest)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

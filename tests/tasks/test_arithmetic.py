@@ -85,7 +85,7 @@ def test_errors():
 
 
 def test_registry_and_accuracy():
-    assert set(TASKS) == {"arithmetic", "gsm8k"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "multiplication", "guess_number"}
     assert isinstance(make_task("arithmetic", seed=1), ArithmeticTask)
     with pytest.raises(TaskError, match=r"unknown task 'math' \(choose from arithmetic, gsm8k\)"):
         make_task("math")
