@@ -23,10 +23,10 @@ from posttrain.envs.builtin_tools import BUILTIN_TOOLS
 from posttrain.envs.calculator import calculator_environment
 from posttrain.envs.environment import EnvError, Environment
 from posttrain.envs.guess_number import GuessNumberEnvironment
-from posttrain.envs.imports import is_import_spec, load_object
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import Tool, as_tools
 from posttrain.envs.trl_adapter import is_trl_environment_class, trl_environment_factory
+from posttrain.imports import is_import_spec, load_object
 
 EnvironmentFactory = Callable[[], Environment]
 

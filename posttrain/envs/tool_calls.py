@@ -23,9 +23,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.envs.imports import is_import_spec, load_object
 from posttrain.envs.turns import ParsedTurn, ToolCall
 from posttrain.errors import PosttrainError
+from posttrain.imports import is_import_spec, load_object
 
 ToolCallParser = Callable[..., ParsedTurn]  # (text, first_call_index=0) -> ParsedTurn
 
