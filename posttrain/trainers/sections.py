@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from posttrain.chat_templates import load_chat_template
 from posttrain.hardware import auto_dtype
 from posttrain.models.checkpoint_io import DTYPES
 from posttrain.models.hub import DEFAULT_MODEL
@@ -33,10 +34,15 @@ class ModelSection:
     # resident memory follows the live tensors (what `posttrain estimate` counts) at a cost in page faults
     # (LoRA SFT steps 1.5x slower here; posttrain.cpu_malloc, docs/estimate.md).
     cpu_memory: Literal["keep", "release"] = "keep"
+    # Replaces the checkpoint's chat template: a built-in name (`chatml_tools`: ChatML with tool calls, for
+    # agentic RL with the default model; docs/agents.md) or a path to a .jinja file. The final checkpoint keeps it.
+    chat_template: str | None = None
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template, key="model.chat_template")  # a bad name fails before any load
 
     def autocast_dtype(self, model: Transformer) -> torch.dtype | None:
         """The dtype the training forwards of `model` (as loaded from this section) autocast to: bf16 with `auto`

@@ -122,7 +122,10 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         from posttrain.models.hub import load_model
 
         model, tokenizer = load_model(
-            model_section.name_or_path, dtype=model_section.dtype, device=model_section.device
+            model_section.name_or_path,
+            dtype=model_section.dtype,
+            device=model_section.device,
+            chat_template=model_section.chat_template,
         )
     check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
     # The adapters' random initial weights come from one seed on every rank: FSDP2 keeps each rank's shard of
