@@ -15,7 +15,9 @@ from tqdm.auto import tqdm
 
 from posttrain.distributed.env import barrier, broadcast_object, is_main
 from posttrain.errors import PosttrainError
+from posttrain.rollout.episode_batch import EpisodeGroups, episode_metrics
 from posttrain.rollout.evaluate import evaluate
+from posttrain.rollout.generate import generate_groups
 from posttrain.trainers.adapters import save_final_dir, save_final_parallel
 from posttrain.trainers.loop import run_steps
 from posttrain.trainers.rl.config import GRPOConfig, PPOConfig, RLConfig
@@ -31,10 +33,20 @@ def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
     max_tokens = run.cfg.eval.max_tokens or run.cfg.rollout.max_tokens
     # Under torchrun every rank evaluates every held-out prompt (greedy: the same answers everywhere), so the
     # ranks stay in step with no reduction; rank 0 writes.
+    # Episodes: the same runner as the rollout's, greedy, one episode per held-out row, with its own log.
+    episodes = EpisodeGroups(run.episodes.options) if run.episodes is not None else None
     with rollout_weights(run) as lockstep:
         metrics, samples = evaluate(
-            run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold, lockstep=lockstep
+            run.llm,
+            run.held_out,
+            run.specs,
+            max_tokens,
+            run.cfg.reward.correct_threshold,
+            lockstep=lockstep,
+            generate=episodes or generate_groups,
         )
+    if episodes is not None:
+        metrics.update({f"eval/{key}": value for key, value in episode_metrics(episodes.take_log()).items()})
     metrics["time/eval_s"] = time.perf_counter() - start
     if not is_main():
         return metrics
