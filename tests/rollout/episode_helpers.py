@@ -17,7 +17,7 @@ from tests.data.tiny import tiny_model, tiny_tokenizer
 EOS = 2  # <|im_end|> in tests/data/tiny.py's tokenizer: the ChatML end of turn
 
 
-def turn_ending_model(seed: int = 0, eos_boost: float = 4.0):
+def turn_ending_model(seed: int = 0, eos_boost: float = 2.0):
     """tests/data/tiny.py's random model (tied embeddings), made to end its turns after a few tokens: every
     embedding row gets a large constant first component, so the final hidden state's first component is
     positive whatever the token; that shifts every logit alike (no effect) except EOS's, which gets more."""
