@@ -3,7 +3,7 @@
 | format                | fields                                   | example type        |
 |-----------------------|------------------------------------------|---------------------|
 | `prompt_completion`   | prompt, completion                       | PromptCompletion    |
-| `conversational`      | messages                                 | Conversation        |
+| `conversational`      | messages (+ tools)                       | Conversation        |
 | `language_modeling`   | text                                     | Text                |
 | `preference`          | prompt, chosen, rejected                 | Preference          |
 | `implicit_preference` | chosen, rejected (shared prefix = prompt) | Preference          |
@@ -28,6 +28,7 @@ from posttrain.data.validate import (
     check_distinct_completions,
     check_messages,
     check_text,
+    check_tools,
     check_turn_order,
     require_field,
 )
@@ -45,6 +46,7 @@ class PromptCompletion:
 @dataclass(frozen=True)
 class Conversation:
     messages: list[Message]
+    tools: list[dict[str, Any]] | None = None  # the row's `tools` schemas, rendered by the chat template (as TRL)
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def parse_conversational(row: Mapping[str, Any]) -> Conversation:
     check_turn_order(messages, "messages")
     if not any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in messages):
         raise RowError("empty completion: no assistant message with text to train on")
-    return Conversation(messages)
+    return Conversation(messages, check_tools(row.get("tools")))
 
 
 def parse_language_modeling(row: Mapping[str, Any]) -> Text:

@@ -95,8 +95,11 @@ def _warn_prefix_once() -> None:
         )
 
 
-def _render(tokenizer: ChatTokenizer, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+def _render(
+    tokenizer: ChatTokenizer, messages: Sequence[Message], add_generation_prompt: bool, tools: Any = None
+) -> list[int]:
+    extra = {} if tools is None else {"tools": tools}  # only when given: a tokenizer without tools= still works
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     return list(ids)  # type: ignore[arg-type]
 
 
@@ -126,14 +129,14 @@ def tokenize_prompt_completion(tokenizer: ChatTokenizer, example: PromptCompleti
 
 def tokenize_conversation(tokenizer: ChatTokenizer, example: Conversation) -> TokenizedRow:
     """Assistant-only labels for a multi-turn chat (see the module docstring for the method)."""
-    messages = example.messages
-    full_ids = _render(tokenizer, messages, add_generation_prompt=False)
+    messages, tools = example.messages, example.tools
+    full_ids = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     labels = [IGNORE_INDEX] * len(full_ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         start = common_prefix_length(before, full_ids)
         end = common_prefix_length(through, full_ids)
         if start < len(before) or end < len(through):

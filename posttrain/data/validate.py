@@ -8,6 +8,7 @@ dataset with a handful of broken lines still trains; a file in the wrong format 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -84,6 +85,25 @@ def check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
             raise RowError(f"{field}[{i}] ({role}) has {got}; text content is required")
         out.append(dict(message))
     return out
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A row's optional `tools` column: OpenAI function schemas ({"type": "function", "function": {"name", ...}}),
+    as a list or a JSON string of one (how HF datasets often store them); None when absent."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise RowError(f"field 'tools' is a string but not JSON ({error.msg})") from None
+    if not isinstance(tools, list):
+        raise RowError(f"field 'tools' must be a list of function schemas, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RowError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+    return [dict(tool) for tool in tools]
 
 
 def check_turn_order(messages: Sequence[Mapping[str, Any]], field: str) -> None:

@@ -40,13 +40,16 @@ class LLM:
         config: EngineConfig | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
+        chat_template: str | None = None,
         **config_fields: Any,
     ) -> None:
         if isinstance(model, (str, Path)):
             from posttrain.models.hub import load_model
 
-            model, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
+            model, loaded_tokenizer = load_model(model, dtype=dtype, device=device, chat_template=chat_template)
             tokenizer = tokenizer or loaded_tokenizer
+        elif chat_template is not None:
+            raise PosttrainError("chat_template= applies to a model loaded by name or path; set it on the tokenizer")
         elif not isinstance(model, torch.nn.Module):
             raise PosttrainError(f"model must be a name, a path or a model module, got {type(model).__name__}")
         if config is not None and config_fields:

@@ -19,8 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.envs.turns import ParsedTurn
+from posttrain.errors import PosttrainError
 
 Message = dict[str, Any]  # a chat message: {"role", "content"} (+ "tool_calls", "tool_call_id", "name")
+
+
+class EnvError(PosttrainError):
+    """An environment, option or row that cannot be used; the message names the class / option / column."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.cache import cache_root
+from posttrain.chat_templates import load_chat_template
 from posttrain.errors import CheckpointError
 from posttrain.models.checkpoint_io import build_model, load_hf_dir, parse_dtype, save_hf_dir
 from posttrain.models.config import ModelConfig
@@ -108,20 +109,26 @@ def load_model(
     name_or_path: str | Path = DEFAULT_MODEL,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
+    chat_template: str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load (model, tokenizer) from an HF directory, a GGUF file, a `posttrain quantize` directory (through
     its registered `DirFormat`) or a known name; model in eval mode. A quantized directory keeps its stored
-    float dtype unless `dtype` is given."""
+    float dtype unless `dtype` is given. `chat_template` (a built-in name such as `chatml_tools`, or a .jinja
+    path; posttrain.chat_templates) replaces the checkpoint's template, checked before the weights load."""
+    template = None if chat_template is None else load_chat_template(chat_template)
     device = (
         torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
     path = resolve_model_path(name_or_path)
     fmt = dir_format(path)
     if fmt is not None:
-        return fmt.load(path, device, parse_dtype(dtype)), load_tokenizer(path)
-    torch_dtype = parse_dtype(dtype) or default_dtype(device)
-    model = load_hf_dir(path, dtype=torch_dtype, device=device).eval()
+        model = fmt.load(path, device, parse_dtype(dtype))
+    else:
+        torch_dtype = parse_dtype(dtype) or default_dtype(device)
+        model = load_hf_dir(path, dtype=torch_dtype, device=device).eval()
     tokenizer = load_tokenizer(path)
+    if template is not None:
+        tokenizer.chat_template = template
     return model, tokenizer
 
 

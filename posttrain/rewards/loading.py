@@ -16,9 +16,6 @@ as weighted `RewardSpec`s checked against the data's columns.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from posttrain.errors import PosttrainError
+from posttrain.imports import FileImportError, import_file
 from posttrain.rewards.answers import boxed, gsm8k, numeric_match
 from posttrain.rewards.base import RewardError, RewardFn
 from posttrain.rewards.code import code_reward
@@ -206,18 +204,7 @@ def load_reward_from_file(path: Path, function_name: str) -> RewardFn:
 
 
 def _import_file(path: Path) -> ModuleType:
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    module_name = f"posttrain_reward_{path.stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward file {path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise RewardError(f"reward file {path}: import failed: {type(error).__name__}: {error}") from error
-    return module
+        return import_file(path, "posttrain_reward")
+    except FileImportError as error:
+        raise RewardError(f"reward file {path}: {error}") from error.__cause__

@@ -14,14 +14,22 @@ from typing import Any
 from posttrain.tasks.arithmetic import ArithmeticTask
 from posttrain.tasks.base import Task, TaskError, accuracy
 from posttrain.tasks.gsm8k import GSM8KTask, load_gsm8k
+from posttrain.tasks.guess_number import GuessNumberTask
+from posttrain.tasks.multiplication import MultiplicationTask
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": ArithmeticTask,
     "gsm8k": GSM8KTask,
+    "multiplication": MultiplicationTask,
+    "guess_number": GuessNumberTask,  # rows for the guess_number environment, which scores them itself
 }
 
 # Built-in tasks and the reward each is scored with unless `reward.functions` says otherwise.
-TASK_DEFAULT_REWARDS: dict[str, str] = {"arithmetic": "numeric_match", "gsm8k": "gsm8k"}
+TASK_DEFAULT_REWARDS: dict[str, str] = {
+    "arithmetic": "numeric_match",
+    "gsm8k": "gsm8k",
+    "multiplication": "numeric_match",
+}
 
 
 def make_task(name: str, **options: Any) -> Task:
@@ -42,6 +50,8 @@ __all__ = [
     "TASK_DEFAULT_REWARDS",
     "ArithmeticTask",
     "GSM8KTask",
+    "GuessNumberTask",
+    "MultiplicationTask",
     "Task",
     "TaskError",
     "accuracy",

@@ -132,7 +132,9 @@ def load_trainable(
         check_adapter_options(lora, quant, qat)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    model, tokenizer = load_model(section.name_or_path, dtype=section.dtype, device=section.device)
+    model, tokenizer = load_model(
+        section.name_or_path, dtype=section.dtype, device=section.device, chat_template=section.chat_template
+    )
     return prepare_trainable(model, lora=lora, quant=quant, qat=qat), tokenizer
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from posttrain.chat_templates import load_chat_template
 from posttrain.models.hub import DEFAULT_MODEL
 from posttrain.trackers import check_installed, resolve_report_to
 from posttrain.trainers.schedule import SCHEDULES
@@ -23,6 +24,13 @@ class ModelSection:
     # resident memory follows the live tensors (what `posttrain estimate` counts) at a cost in page faults
     # (LoRA SFT steps 1.5x slower here; posttrain.cpu_malloc, docs/estimate.md).
     cpu_memory: Literal["keep", "release"] = "keep"
+    # Replaces the checkpoint's chat template: a built-in name (`chatml_tools`: ChatML with tool calls, for
+    # agentic RL with the default model; docs/agents.md) or a path to a .jinja file. The final checkpoint keeps it.
+    chat_template: str | None = None
+
+    def validate(self) -> None:
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template, key="model.chat_template")  # a bad name fails before any load
 
 
 @dataclass

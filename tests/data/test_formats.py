@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from posttrain.data.formats import (
@@ -153,3 +155,19 @@ def test_to_chat_wraps_plain_strings():
     assert to_chat(PromptCompletion("q", "a")) == PromptCompletion([U("q")], [A("a")])
     assert to_chat(Text("t")) == Text("t")
     assert to_chat(Preference("q", "a", "b")) == Preference([U("q")], [A("a")], [A("b")])
+
+
+def test_conversational_rows_may_carry_tools():
+    from posttrain.data.formats import parse_conversational
+
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert parse_conversational({"messages": messages}).tools is None
+    assert parse_conversational({"messages": messages, "tools": [tool]}).tools == [tool]
+    assert parse_conversational({"messages": messages, "tools": json.dumps([tool])}).tools == [tool]
+    with pytest.raises(RowError, match=r"tools\[0\] must be \{'type': 'function'"):
+        parse_conversational({"messages": messages, "tools": [{"name": "calculator"}]})
+    with pytest.raises(RowError, match="field 'tools' is a string but not JSON"):
+        parse_conversational({"messages": messages, "tools": "[{"})
+    with pytest.raises(RowError, match="field 'tools' must be a list of function schemas, got dict"):
+        parse_conversational({"messages": messages, "tools": tool})

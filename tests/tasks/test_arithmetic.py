@@ -85,9 +85,11 @@ def test_errors():
 
 
 def test_registry_and_accuracy():
-    assert set(TASKS) == {"arithmetic", "gsm8k"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "multiplication", "guess_number"}
     assert isinstance(make_task("arithmetic", seed=1), ArithmeticTask)
-    with pytest.raises(TaskError, match=r"unknown task 'math' \(choose from arithmetic, gsm8k\)"):
+    with pytest.raises(
+        TaskError, match=r"unknown task 'math' \(choose from arithmetic, gsm8k, multiplication, guess_number\)"
+    ):
         make_task("math")
     with pytest.raises(TaskError, match=r"task 'arithmetic': .*'sed' \(options: seed\)"):
         make_task("arithmetic", sed=1)

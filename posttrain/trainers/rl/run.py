@@ -139,7 +139,10 @@ def setup_run(
         from posttrain.models.hub import load_model
 
         model, tokenizer = load_model(
-            model_section.name_or_path, dtype=model_section.dtype, device=model_section.device
+            model_section.name_or_path,
+            dtype=model_section.dtype,
+            device=model_section.device,
+            chat_template=model_section.chat_template,
         )
     if env is None:  # episodes: the environment makes each prompt, checked when it does
         check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
