@@ -17,7 +17,6 @@ not a prefix of the longer one) cannot be used this way, and is refused with one
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,10 +28,7 @@ Message = dict[str, Any]
 class ChatTokens:
     """Renders an episode's opening and its observation deltas with one tokenizer, template and tool list."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[dict[str, Any]] = (), chat_template: str | None = None) -> None:
-        if chat_template is not None:  # a tool-capable template for this run only: the run's tokenizer is kept
-            tokenizer = copy.copy(tokenizer)
-            tokenizer.chat_template = chat_template
+    def __init__(self, tokenizer: Any, tools: Sequence[dict[str, Any]] = ()) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) or None  # no tools: the template's tool-free rendering
 
@@ -54,7 +50,7 @@ class ChatTokens:
         if not after.startswith(before):
             raise PosttrainError(
                 "the chat template renders the earlier messages differently once observations follow, so an "
-                "episode cannot grow token by token; choose a template that only appends (env.chat_template)"
+                "episode cannot grow token by token; choose a template that only appends (model.chat_template)"
             )
         end = before.rfind(end_text) if end_text else -1
         tail = before[end + len(end_text) :] if end >= 0 else ""

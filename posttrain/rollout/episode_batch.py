@@ -19,9 +19,10 @@ import torch
 
 from posttrain.engine import LLM, SamplingParams
 from posttrain.envs import Environment
+from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
 from posttrain.rollout.chat_tokens import ChatTokens
-from posttrain.rollout.episodes import Episode, EpisodeLimits, EpisodeRunner, EpisodeTiming, ToolCallParser
+from posttrain.rollout.episodes import Episode, EpisodeLimits, EpisodeRunner, EpisodeTiming
 from posttrain.rollout.generate import EngineCall
 
 TruncatedReward = Literal["zero", "unscorable"]

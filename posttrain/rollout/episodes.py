@@ -28,23 +28,18 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from posttrain.engine import SamplingParams
 from posttrain.engine.llm_engine import LLMEngine
-from posttrain.envs import Environment, EnvStep, Message, ParsedTurn
+from posttrain.envs import Environment, EnvStep, Message
+from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import PosttrainError
 from posttrain.rollout.chat_tokens import ChatTokens
 from posttrain.rollout.env_workers import EnvWorkers
 
 TRUNCATED = frozenset({"max_turns", "max_episode_tokens", "turn_length", "env_timeout"})
 _request_numbers = itertools.count()
-
-
-class ToolCallParser(Protocol):
-    """Turns a model turn's text into its tool calls (posttrain.envs.tool_calls' parsers)."""
-
-    def parse(self, text: str, first_call_index: int = 0) -> ParsedTurn: ...
 
 
 @dataclass(frozen=True)
@@ -234,7 +229,7 @@ class EpisodeRunner:
             full = len(episode.ids) >= self.limits.max_episode_tokens
             self._end(pool, episode, "max_episode_tokens" if full else "turn_length")
             return
-        turn = self.parser.parse(sample.text, first_call_index=episode.num_calls)
+        turn = self.parser(sample.text, first_call_index=episode.num_calls)
         episode.num_calls += len(turn.tool_calls)
         episode.counts["parse_failures"] += len(turn.errors)
         episode.messages.append(turn.as_message())

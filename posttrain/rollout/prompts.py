@@ -84,15 +84,15 @@ class DatasetPrompts:
     reward = ""  # no default: `reward.functions` must name one
 
     def __init__(self, cfg: PromptData, whole_rows: bool = False) -> None:
-        """`whole_rows`: keep each record as it is, no prompt column needed (an environment makes the prompt
-        from the row when it opens an episode)."""
+        """`whole_rows`: a record without the prompt column is kept as it is, not refused (an environment makes
+        the prompt from the row's columns when it opens an episode)."""
         path = Path(cfg.path or "").expanduser()
         if not (path.is_file() or path.is_dir()):
             raise PosttrainError(f"data.path: {path} not found")
         rows = []
         for number, record in _dataset_records(path):
             where = row_location(path, number)
-            if whole_rows:
+            if whole_rows and cfg.prompt_column not in record:
                 rows.append(dict(record))
                 continue
             if cfg.prompt_column not in record:

@@ -29,11 +29,9 @@ def turn_ending_model(seed: int = 0, eos_boost: float = 2.0):
     return model.eval()
 
 
-class PlainParser:
+def plain_parser(text: str, first_call_index: int = 0) -> ParsedTurn:
     """No tool-call markup: the whole turn is content."""
-
-    def parse(self, text: str, first_call_index: int = 0) -> ParsedTurn:
-        return ParsedTurn(text=text, content=text)
+    return ParsedTurn(text=text, content=text)
 
 
 class ScriptedEnv:
@@ -84,4 +82,4 @@ def runner(
 ) -> EpisodeRunner:
     limits = EpisodeLimits(max_turns, max_tokens, max_episode_tokens, 128, step_timeout_s)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=True)
-    return EpisodeRunner(llm.engine, ChatTokens(llm.tokenizer), env, PlainParser(), params, limits, workers)
+    return EpisodeRunner(llm.engine, ChatTokens(llm.tokenizer), env, plain_parser, params, limits, workers)

@@ -20,7 +20,7 @@ from posttrain.trainers.rl.batch import pack_groups, packed_forward
 from posttrain.trainers.rl.config import GRPOConfig
 from posttrain.trainers.rl.update import prepare_batch
 from tests.data.tiny import tiny_tokenizer
-from tests.rollout.episode_helpers import ROWS, PlainParser, ScriptedEnv, make_llm, runner, turn_ending_model
+from tests.rollout.episode_helpers import ROWS, ScriptedEnv, make_llm, plain_parser, runner, turn_ending_model
 
 # As in test_rl_trainer.py: the engine's paged forward against the trainer's dense one, fp32 tiny models.
 ENGINE_DENSE_LOGPROB_TOL = 1e-4
@@ -74,7 +74,7 @@ def _config(tmp_path: Path, data: Path, name: str, *extra: str) -> GRPOConfig:
 
 def _setup(cfg: GRPOConfig):
     return setup_run(
-        cfg, "grpo", model=turn_ending_model(), tokenizer=tiny_tokenizer(), make_env=ScriptedEnv, parser=PlainParser()
+        cfg, "grpo", model=turn_ending_model(), tokenizer=tiny_tokenizer(), make_env=ScriptedEnv, parser=plain_parser
     )
 
 
@@ -122,7 +122,7 @@ def test_a_resumed_run_takes_the_same_next_step(tmp_path: Path, data: Path) -> N
 def test_train_grpo_evaluates_with_episodes(tmp_path: Path, data: Path) -> None:
     cfg = _config(tmp_path, data, "e2e", "train.max_steps=1")
     run_dir = train_grpo(
-        cfg, model=turn_ending_model(), tokenizer=tiny_tokenizer(), make_env=ScriptedEnv, parser=PlainParser()
+        cfg, model=turn_ending_model(), tokenizer=tiny_tokenizer(), make_env=ScriptedEnv, parser=plain_parser
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and summary["steps"] == 1

@@ -9,13 +9,13 @@ turn samples at most `rollout.max_tokens` tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from posttrain.errors import ConfigError, PosttrainError
+from posttrain.envs.tool_calls import ToolCallParser
+from posttrain.errors import PosttrainError
 from posttrain.rollout.chat_tokens import ChatTokens
 from posttrain.rollout.episode_batch import EpisodeOptions
-from posttrain.rollout.episodes import EpisodeLimits, ToolCallParser
+from posttrain.rollout.episodes import EpisodeLimits
 
 
 def _need(ok: bool, message: str) -> None:
@@ -28,13 +28,13 @@ class EnvSection:
     name: str = ""  # a built-in environment (calculator, guess_number) or path/to/file.py:Class
     tools: list[str] = field(default_factory=list)  # tools to give it beyond its own (built-in names)
     options: dict[str, Any] = field(default_factory=dict)  # keyword options of the environment
-    parser: str = "hermes"  # how tool calls are read from a model turn (posttrain.envs.tool_calls)
-    # The chat template the episodes are rendered with (it must render `tools` and tool messages): null keeps
-    # the tokenizer's; a name of the environment layer's templates, or a path to a .jinja file.
-    chat_template: str | None = None
+    # How tool calls are read from a model turn: a posttrain.envs.tool_calls name or path.py:function. The chat
+    # template that renders tools and tool messages is the model's: `model.chat_template` (chatml_tools).
+    parser: str = "hermes"
     max_turns: int = 4  # model turns per episode; a turn past it ends the episode truncated
     max_episode_tokens: int = 512  # tokens after the opening prompt (model + observations)
-    tool_timeout_s: float = 10.0  # one tool call (the environment enforces it)
+    # One tool call, given to the environment as its `tool_timeout_s` option (calculator, tools); null: its default.
+    tool_timeout_s: float | None = None
     step_timeout_s: float = 60.0  # one whole environment call (reset, step, episode_reward): the rollout's bound
     truncated_reward: Literal["zero", "unscorable"] = "zero"  # a truncated episode's reward: 0, or left out (NaN)
     # Per-step rewards an environment returns: ignore them (outcome only), or add their sum to the episode's
@@ -47,20 +47,8 @@ class EnvSection:
         for name in ("max_turns", "max_episode_tokens", "workers"):
             _need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("tool_timeout_s", "step_timeout_s"):
-            _need(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
-
-
-def _chat_template(choice: str | None) -> str | None:
-    if choice is None:
-        return None
-    path = Path(choice).expanduser()
-    if path.suffix == ".jinja" or path.is_file():
-        if not path.is_file():
-            raise ConfigError(f"env.chat_template: {path} not found")
-        return path.read_text(encoding="utf-8")
-    from posttrain.envs.templates import get_chat_template  # the environment layer's named templates
-
-    return get_chat_template(choice)
+            value = getattr(self, name)
+            _need(value is None or value > 0, f"{name} must be > 0, got {value}")
 
 
 def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
@@ -68,10 +56,10 @@ def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
     from posttrain.envs.loading import load_environment_factory
     from posttrain.envs.tool_calls import get_tool_call_parser
 
-    options = {"tool_timeout_s": env.tool_timeout_s, **env.options}
-    return load_environment_factory(env.name, tools=tuple(env.tools), options=options), get_tool_call_parser(
-        name=env.parser
-    )
+    options = dict(env.options)
+    if env.tool_timeout_s is not None:
+        options["tool_timeout_s"] = env.tool_timeout_s
+    return load_environment_factory(env.name, tools=env.tools, options=options), get_tool_call_parser(env.parser)
 
 
 def episode_options(
@@ -94,6 +82,6 @@ def episode_options(
         raise
     except Exception as error:
         raise PosttrainError(f"env.name={env.name!r}: the environment cannot be made ({error})") from error
-    chat = ChatTokens(tokenizer, schemas, _chat_template(env.chat_template))
+    chat = ChatTokens(tokenizer, schemas)
     limits = EpisodeLimits(env.max_turns, max_tokens, env.max_episode_tokens, max_prompt_tokens, env.step_timeout_s)
     return EpisodeOptions(make_env, parser, chat, limits, env.workers, env.truncated_reward, env.turn_rewards)

@@ -22,11 +22,11 @@ from posttrain.distributed.lockstep import Lockstep
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, open_metrics
 from posttrain.engine import LLM, EngineConfig, SamplingParams
+from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.rewards import RewardSpec, load_reward_specs
 from posttrain.rollout.episode_batch import EpisodeGroups
-from posttrain.rollout.episodes import ToolCallParser
 from posttrain.rollout.prompts import PromptSource, check_prompt_lengths, data_columns, make_prompt_source
 from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable

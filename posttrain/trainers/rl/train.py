@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 
 from posttrain.distributed.env import barrier, broadcast_object, is_main
 from posttrain.envs import Environment
+from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import PosttrainError
 from posttrain.rollout.episode_batch import EpisodeGroups, episode_metrics
-from posttrain.rollout.episodes import ToolCallParser
 from posttrain.rollout.evaluate import evaluate
 from posttrain.rollout.generate import generate_groups
 from posttrain.trainers.adapters import save_final_dir, save_final_parallel
