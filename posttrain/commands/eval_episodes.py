@@ -90,8 +90,8 @@ def episodes_accuracy_run(args: argparse.Namespace) -> int:
         "environment": cfg.env.name,
         "accuracy": None if math.isnan(accuracy) else accuracy,
         "problems": len(data.rows),
-        "reward_mean": metrics["eval/reward_mean"],
-        **{key: value for key, value in env.items() if isinstance(value, (int, float))},
+        "reward_mean": _number(metrics["eval/reward_mean"]),
+        **{key: _number(value) for key, value in env.items() if isinstance(value, (int, float))},
     }
     if args.json:
         print(json.dumps(result))
@@ -103,3 +103,8 @@ def episodes_accuracy_run(args: argparse.Namespace) -> int:
         f"{env['env/truncated_frac']:.0%} truncated)"
     )
     return 0
+
+
+def _number(value: float) -> float | None:
+    """JSON has no NaN: a mean over nothing is null."""
+    return None if math.isnan(value) else value
