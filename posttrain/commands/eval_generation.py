@@ -193,11 +193,6 @@ def accuracy_run(args: argparse.Namespace) -> int:
     from posttrain.eval.pass_at_k import check_ks
     from posttrain.rewards import load_reward_specs
 
-    if args.config is not None:
-        from posttrain.commands.eval_episodes import episodes_accuracy_run
-
-        return episodes_accuracy_run(args)
-
     sampling = _sampling(args, args.builtin_task)
     sampling.validate()
     ks = check_ks(parse_ks(args.k) if args.k else (1, sampling.n), sampling.n)
