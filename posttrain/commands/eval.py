@@ -2,6 +2,7 @@
 
     posttrain eval ppl --model M --data FILE [--column answer] [--skip N] [--max-rows N] [--max-length L] [--json]
     posttrain eval accuracy --task arithmetic|gsm8k | --data FILE --reward SPEC [--n K --temperature T --k 1,4] [--json]
+    posttrain eval accuracy --config RL.yaml --data FILE [--json]   (greedy episodes in the config's environment)
     posttrain eval em-f1 --data FILE [--answer-column C] [--extract REGEX] [--json]
     posttrain eval preference --data PAIRS (--reward-model DIR | --model POLICY --ref-model REF --beta B) [--json]
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from posttrain.commands.common import add_model_arguments
+from posttrain.commands.eval_episodes import episodes_accuracy_run
 from posttrain.commands.eval_generation import accuracy_arguments, accuracy_run, em_f1_arguments, em_f1_run
 from posttrain.commands.eval_preference import preference_arguments, preference_run
 from posttrain.writable import check_writable_file
@@ -83,12 +85,17 @@ def _ppl_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _accuracy_run(args: argparse.Namespace) -> int:
+    """`--config RL.yaml`: greedy episodes in its environment; else completions scored by rewards."""
+    return episodes_accuracy_run(args) if args.config is not None else accuracy_run(args)
+
+
 TASKS: dict[str, EvalTask] = {
     "ppl": EvalTask("perplexity on held-out text (a JSONL text column)", _ppl_arguments, _ppl_run),
     "accuracy": EvalTask(
         "task accuracy and pass@k of generated answers (built-in task, or a file + a reward)",
         accuracy_arguments,
-        accuracy_run,
+        _accuracy_run,
     ),
     "em-f1": EvalTask(
         "exact match and token F1 of generated answers against a reference column", em_f1_arguments, em_f1_run

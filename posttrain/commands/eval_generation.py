@@ -126,7 +126,7 @@ def _engine(args: argparse.Namespace, rows: list[dict[str, Any]], sampling: Any)
     )
 
 
-def _write_samples(path: Path | None, records: list[dict[str, Any]]) -> None:
+def write_samples(path: Path | None, records: list[dict[str, Any]]) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +163,13 @@ def accuracy_arguments(parser: argparse.ArgumentParser) -> None:
         help="a built-in task's held-out problems (its own reward unless --reward is given)",
     )
     parser.add_argument("--task-data", default=None, help="the task's data file (gsm8k: a train.jsonl)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="an RL config with an env: section: each --data row is played as one greedy episode in its "
+        "environment, with its tools (docs/agents.md)",
+    )
     _data_arguments(
         parser,
         "the reference answer, given to the reward as `answer` (default: answer)",
@@ -208,7 +215,7 @@ def accuracy_run(args: argparse.Namespace) -> int:
         threshold=args.threshold,
         progress=True,
     )
-    _write_samples(args.samples, result.records)
+    write_samples(args.samples, result.records)
     if args.json:
         print(json.dumps({**_header(args, "accuracy", data.source, sampling), "reward": specs, **result.to_dict()}))
         return 0
@@ -253,7 +260,7 @@ def em_f1_run(args: argparse.Namespace) -> int:
         locations=data.locations,
         progress=True,
     )
-    _write_samples(args.samples, result.records)
+    write_samples(args.samples, result.records)
     if args.json:
         print(
             json.dumps({**_header(args, "em-f1", data.source, sampling), "extract": args.extract, **result.to_dict()})

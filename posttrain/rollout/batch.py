@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 PROMPT_KEY = "prompt"  # every row handed to the trainer carries its prompt under this key
+EPISODE_FIELDS = ("completion_mask", "completion_messages", "env_rewards", "turn_rewards")
 
 
 @dataclass
@@ -26,6 +27,12 @@ class RolloutBatch:
     task_rewards: torch.Tensor | None = None  # (B,) before the overlong penalty
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
     reward_errors: list[str] = field(default_factory=list)
+    # Multi-turn episodes (posttrain.rollout.episodes); all None for single-turn completions. A completion is
+    # then everything after the opening prompt: the model's turns and the observations between them.
+    completion_mask: list[list[int]] | None = None  # per sample, per token: 1 sampled by the model, 0 observation
+    completion_messages: list[list[dict[str, Any]]] | None = None  # per sample: what the reward functions see
+    env_rewards: list[float | None] | None = None  # per sample: the episode's own reward; None: score it
+    turn_rewards: list[float] | None = None  # per sample: per-turn rewards added to the outcome (env.turn_rewards)
 
     @property
     def num_groups(self) -> int:
@@ -63,12 +70,16 @@ class RolloutBatch:
             rewards=pick(self.rewards),
             task_rewards=pick(self.task_rewards),
             per_function={k: pick(v) for k, v in self.per_function.items()},
+            **{name: pick(getattr(self, name)) for name in EPISODE_FIELDS},
         )
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     """The groups of `batches`, in order, as one batch (all of one group size)."""
     first = batches[0]
+
+    def first_has(name: str) -> bool:
+        return getattr(first, name) is not None
 
     def cat(name: str) -> Any:
         values = [getattr(b, name) for b in batches]
@@ -92,6 +103,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
                 "task_rewards",
             )
         },
+        **{name: cat(name) if first_has(name) else None for name in EPISODE_FIELDS},
         per_function={k: torch.cat([b.per_function[k] for b in batches]) for k in first.per_function},
         reward_errors=[e for b in batches for e in b.reward_errors],
     )

@@ -17,7 +17,7 @@ from posttrain.distributed.env import all_gather_objects
 from posttrain.engine import LLM, SamplingParams
 from posttrain.rewards import RewardSpec
 from posttrain.rollout.batch import RolloutBatch, concat_batches
-from posttrain.rollout.generate import EngineCall, generate_groups
+from posttrain.rollout.generate import EngineCall, GroupGenerator, generate_groups
 from posttrain.rollout.prompts import PromptSource
 from posttrain.rollout.scoring import OverlongShaping, score_groups, zero_variance_groups
 
@@ -51,6 +51,7 @@ def collect_rollout(
     shard: Callable[[list[Any]], list[Any]] | None = None,
     seed_base: int | None = None,
     lockstep: EngineCall = nullcontext,
+    generate: GroupGenerator = generate_groups,
 ) -> tuple[RolloutBatch | None, RolloutStats]:
     """The step's scored batch. With dynamic sampling, only groups whose task rewards differ are kept
     (correctness, not the length-shaped reward: see zero_variance_groups) and up to `max_refill_rounds`
@@ -66,7 +67,8 @@ def collect_rollout(
     ranks all-gather which of their groups they keep, so every rank refills the same rounds; at the end they
     all-gather their kept groups, take the first `num_prompts` by place (the single process's batch) and deal
     them out strided again. A batch left short of `num_prompts` loses its last (count mod world size)
-    groups, so that every rank trains on the same number of groups. `lockstep`: see generate_groups."""
+    groups, so that every rank trains on the same number of groups. `lockstep`: see generate_groups.
+    `generate`: generate_groups, or an `EpisodeGroups` (multi-turn episodes, each group's G of a row)."""
     stats = RolloutStats()
     drawn = 0  # prompts drawn this step, over all ranks: the place of the next one
     placed: list[int] = []  # the place of each group of this rank's last round
@@ -80,7 +82,7 @@ def collect_rollout(
             places = shard(places)
         placed = [place for place, _ in places]
         seeds = [seed_base + place * params.n for place, _ in places] if seed_base is not None else None
-        batch = generate_groups(llm, [row for _, row in places], params, seeds, lockstep=lockstep)
+        batch = generate(llm, [row for _, row in places], params, seeds, lockstep=lockstep)
         stats.rollout_s += time.perf_counter() - start
         stats.generated_tokens += sum(len(ids) for ids in batch.completion_ids)
         start = time.perf_counter()

@@ -11,7 +11,7 @@ import torch
 from posttrain.engine import LLM, SamplingParams
 from posttrain.rewards import RewardSpec
 from posttrain.rollout.batch import PROMPT_KEY
-from posttrain.rollout.generate import EngineCall, generate_groups
+from posttrain.rollout.generate import EngineCall, GroupGenerator, generate_groups
 from posttrain.rollout.scoring import score_groups
 
 
@@ -23,12 +23,14 @@ def evaluate(
     max_tokens: int,
     threshold: float,
     lockstep: EngineCall = nullcontext,
+    generate: GroupGenerator = generate_groups,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy accuracy on `rows`: the share of scorable samples whose total reward is >= threshold.
-    `lockstep`: see generate_groups."""
+    `lockstep`: see generate_groups. `generate`: generate_groups, or an `EpisodeGroups` (each row played as one
+    greedy episode, whose turns take `max_tokens` each)."""
     from posttrain.tasks import accuracy
 
-    batch = generate_groups(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), lockstep=lockstep)
+    batch = generate(llm, rows, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), lockstep=lockstep)
     batch = score_groups(batch, specs, None)
     rewards = batch.rewards.tolist()
     try:

@@ -11,6 +11,8 @@ from posttrain.engine import LLM, SamplingParams
 from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
 
 EngineCall = Callable[[], AbstractContextManager[None]]  # a context around one engine call: `Parallel.rollout`'s
+# generate_groups' signature (llm, rows, params, seeds, lockstep=...): single-turn groups, or episodes'
+GroupGenerator = Callable[..., RolloutBatch]
 
 
 def generate_groups(

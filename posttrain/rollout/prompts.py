@@ -83,13 +83,18 @@ class DatasetPrompts:
 
     reward = ""  # no default: `reward.functions` must name one
 
-    def __init__(self, cfg: PromptData) -> None:
+    def __init__(self, cfg: PromptData, whole_rows: bool = False) -> None:
+        """`whole_rows`: a record without the prompt column is kept as it is, not refused (an environment makes
+        the prompt from the row's columns when it opens an episode)."""
         path = Path(cfg.path or "").expanduser()
         if not (path.is_file() or path.is_dir()):
             raise PosttrainError(f"data.path: {path} not found")
         rows = []
         for number, record in _dataset_records(path):
             where = row_location(path, number)
+            if whole_rows and cfg.prompt_column not in record:
+                rows.append(dict(record))
+                continue
             if cfg.prompt_column not in record:
                 raise PosttrainError(
                     f"{where}: no prompt column {cfg.prompt_column!r} "
@@ -133,10 +138,11 @@ class DatasetPrompts:
         self.order = order
 
 
-def make_prompt_source(cfg: PromptData) -> PromptSource:
-    """A built-in task (its `path` option from data.path, if given) or a dataset."""
+def make_prompt_source(cfg: PromptData, whole_rows: bool = False) -> PromptSource:
+    """A built-in task (its `path` option from data.path, if given) or a dataset (`whole_rows`: see
+    DatasetPrompts)."""
     if cfg.task is None:
-        return DatasetPrompts(cfg)
+        return DatasetPrompts(cfg, whole_rows)
     from posttrain.tasks import make_task
 
     options: dict[str, Any] = {"seed": cfg.seed}
@@ -147,10 +153,11 @@ def make_prompt_source(cfg: PromptData) -> PromptSource:
     return make_task(cfg.task, **options)
 
 
-def data_columns(source: PromptSource) -> list[str]:
-    """The data's columns a reward function receives: every row key but the prompt."""
+def data_columns(source: PromptSource, need_prompt: bool = True) -> list[str]:
+    """The data's columns a reward function receives: every row key but the prompt (`need_prompt`: the rows
+    must have one)."""
     first = (source.held_out(1) or source.sample(1))[0]
-    if PROMPT_KEY not in first:
+    if need_prompt and PROMPT_KEY not in first:
         raise PosttrainError(f"the data's rows have no {PROMPT_KEY!r} (columns: {', '.join(first)})")
     return [k for k in first if k != PROMPT_KEY]
 

@@ -3,6 +3,7 @@ penalty, and the groups DAPO's dynamic sampling drops."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -11,7 +12,7 @@ import torch
 
 from posttrain.algos import dapo_dynamic_sampling_mask, soft_overlong_penalty
 from posttrain.errors import PosttrainError
-from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardSpec, compute_rewards
+from posttrain.rewards import COMPLETION_IDS_COLUMN, RewardResult, RewardSpec, compute_rewards
 from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
 from posttrain.rollout.prompts import PromptData, PromptSource
 from posttrain.tasks import TASK_DEFAULT_REWARDS
@@ -44,13 +45,23 @@ class OverlongShaping:
 
 
 def score_groups(batch: RolloutBatch, specs: list[RewardSpec], overlong: OverlongShaping | None) -> RolloutBatch:
-    """Rewards for every sample (the group's row columns repeated per sample), then the overlong penalty."""
+    """Rewards for every sample (the group's row columns repeated per sample), then the overlong penalty.
+
+    Episodes (batch.env_rewards set): an episode's own reward wins where it has one, the reward functions
+    score the rest (their `completions` are the episode's messages after the opening ones), and the per-turn
+    rewards are added when the run asks for them (batch.turn_rewards)."""
     G = batch.group_size
     prompts = [row[PROMPT_KEY] for row in batch.rows for _ in range(G)]
     names = [k for k in batch.rows[0] if k != PROMPT_KEY]
     columns: dict[str, list[Any]] = {k: [row.get(k) for row in batch.rows for _ in range(G)] for k in names}
     columns[COMPLETION_IDS_COLUMN] = batch.completion_ids
-    result = compute_rewards(specs, prompts, batch.texts, columns)
+    if batch.env_rewards is None:
+        result = compute_rewards(specs, prompts, batch.texts, columns)
+    else:
+        needed = specs and any(r is None for r in batch.env_rewards)  # else: every episode scored itself
+        unscored = RewardResult(torch.full((batch.num_samples,), math.nan), {}, batch.num_samples)
+        result = compute_rewards(specs, prompts, batch.completion_messages, columns) if needed else unscored
+        result = _with_episode_rewards(result, batch.env_rewards, batch.turn_rewards)
     rewards = result.total.clone()  # (B,)
     if overlong is not None:
         lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
@@ -60,6 +71,18 @@ def score_groups(batch: RolloutBatch, specs: list[RewardSpec], overlong: Overlon
     return replace(
         batch, rewards=rewards, task_rewards=result.total, per_function=result.per_function, reward_errors=result.errors
     )
+
+
+def _with_episode_rewards(
+    result: RewardResult, env_rewards: list[float | None], turn_rewards: list[float] | None
+) -> RewardResult:
+    """The episodes' own rewards in place of the functions' where given (NaN: unscorable), plus per-turn sums."""
+    own = torch.tensor([math.nan if r is None else r for r in env_rewards], dtype=torch.float32)  # (B,)
+    given = torch.tensor([r is not None for r in env_rewards])  # (B,)
+    total = torch.where(given, own, result.total)
+    if turn_rewards is not None:
+        total = total + torch.tensor(turn_rewards, dtype=torch.float32)
+    return replace(result, total=total, num_unscorable=int(torch.isnan(total).sum()))
 
 
 def zero_variance_groups(batch: RolloutBatch) -> torch.Tensor:

@@ -25,6 +25,7 @@ from posttrain.engine.config import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.peft import LoraConfig
 from posttrain.trainers.adapters import check_adapter_options
+from posttrain.trainers.rl.env_section import EnvSection
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection
 
 # ----------------------------------------------------------------------------- algorithm presets
@@ -340,6 +341,7 @@ class GRPOConfig:
     resume: str | None = None  # auto (the newest checkpoint in out) or a checkpoint directory; see docs/resume.md
     save_final: bool = True
     dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; see docs/distributed.md
+    env: EnvSection | None = None  # multi-turn episodes with an environment and tools; see docs/agents.md
 
     def validate(self) -> None:
         _need(
@@ -445,7 +447,7 @@ def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm, rollout_mismatch: b
     return ObjectiveParams(
         policy_loss=algo.policy_loss,
         aggregation=algo.aggregation,
-        max_len=cfg.rollout.max_tokens,
+        max_len=completion_budget(cfg),
         loss_params=algo.loss_kwargs,
         off_policy=cfg.train.off_policy_params(rollout_mismatch),
         kl_estimator=cfg.kl.estimator,
@@ -453,6 +455,12 @@ def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm, rollout_mismatch: b
         entropy_coef=cfg.loss.entropy_coef,
         **value,
     )
+
+
+def completion_budget(cfg: RLConfig) -> int:
+    """The most tokens a sample has after its prompt: rollout.max_tokens, or an episode's env.max_episode_tokens."""
+    env = getattr(cfg, "env", None)
+    return env.max_episode_tokens if env is not None else cfg.rollout.max_tokens
 
 
 def batch_sizes(cfg: RLConfig) -> tuple[int, int, int]:
@@ -518,6 +526,12 @@ def validate_config(cfg: RLConfig) -> None:
         _need(group >= 2, f"rollout.samples_per_prompt={group}: a group baseline ({algo.advantage}) needs >= 2 samples")
     if algo.dynamic_sampling:
         _need(group >= 2, "dapo.dynamic_sampling needs rollout.samples_per_prompt >= 2")
+    if getattr(cfg, "env", None) is not None:
+        _need(
+            algo.advantage in ("grpo", "dr_grpo", "rloo"),
+            f"env: episodes train with an outcome advantage (grpo, dr_grpo, rloo), not {algo.advantage!r} "
+            "(its token returns would run across the observation tokens)",
+        )
     if algo.overlong_penalty:
         _need(
             cfg.dapo.overlong_cache_len <= cfg.rollout.max_tokens,

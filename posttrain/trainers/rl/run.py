@@ -23,9 +23,11 @@ from posttrain.distributed.lockstep import Lockstep
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes, open_metrics
 from posttrain.engine import LLM, EngineConfig, SamplingParams
+from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger
 from posttrain.rewards import RewardSpec, load_reward_specs
+from posttrain.rollout.episode_batch import EpisodeGroups
 from posttrain.rollout.prompts import PromptSource, check_prompt_lengths, data_columns, make_prompt_source
 from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
@@ -36,11 +38,13 @@ from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
     RLConfig,
     batch_sizes,
+    completion_budget,
     objective_params,
     rank_batch_sizes,
     resolve_algorithm,
     validate_tree,
 )
+from posttrain.trainers.rl.env_section import episode_options
 from posttrain.trainers.rl.ppo import ValueHead, save_value_head
 from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
 
@@ -76,6 +80,7 @@ class RLRun:
     parallel: Parallel | None = None  # set by setup_run: the policy as torchrun's ranks share it
     objective: ObjectiveParams | None = None  # set by setup_run: the update's loss hyperparameters
     rank_sizes: tuple[int, int, int] = (0, 0, 0)  # set by setup_run: (batch, minibatch, micro-batch) on this rank
+    episodes: EpisodeGroups | None = None  # with an `env:` section: plays the rollout's episodes
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +100,8 @@ def engine_config(cfg: RLConfig) -> EngineConfig:
     defaults = EngineConfig()
     eval_tokens = cfg.eval.max_tokens or cfg.rollout.max_tokens
     if engine.max_model_len is None:
-        engine.max_model_len = cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_tokens, eval_tokens)
+        new_tokens = completion_budget(cfg) if getattr(cfg, "env", None) is not None else eval_tokens
+        engine.max_model_len = cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_tokens, new_tokens)
     if engine.max_num_seqs == defaults.max_num_seqs:  # a rollout (or a held-out evaluation) in one wave
         engine.max_num_seqs = min(defaults.max_num_seqs, max(batch_sizes(cfg)[0], cfg.data.eval_size))
         engine.max_num_batched_tokens = max(engine.max_num_batched_tokens, engine.max_num_seqs)
@@ -103,16 +109,30 @@ def engine_config(cfg: RLConfig) -> EngineConfig:
     return engine
 
 
-def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokenizer: Any = None) -> RLRun:
+def setup_run(
+    cfg: RLConfig,
+    command: str,
+    *,
+    model: nn.Module | None = None,
+    tokenizer: Any = None,
+    make_env: Any = None,
+    parser: ToolCallParser | None = None,
+) -> RLRun:
     """Check everything that can be checked without compute (config, data, reward signatures), then
-    load the model, build the engine over it, the optimizer and the run directory."""
+    load the model, build the engine over it, the optimizer and the run directory. `make_env` / `parser`:
+    the `env:` section's environment factory and tool-call parser given in Python instead of by name."""
     validate_tree(cfg)
     algo = resolve_algorithm(cfg)
     dist_section = cfg.dist
     ctx, model_section = join_processes(dist_section, cfg.model)
-    source = make_prompt_source(cfg.data)
+    env = getattr(cfg, "env", None)
+    source = make_prompt_source(cfg.data, whole_rows=env is not None)
     reward_weights = cfg.reward.weights or None  # [] with no functions: the task's default, weight 1
-    specs = load_reward_specs(reward_names(cfg.reward, cfg.data, source), data_columns(source), reward_weights)
+    columns = data_columns(source, need_prompt=env is None)
+    if env is not None and not cfg.reward.functions and not getattr(source, "reward", ""):
+        specs = []  # the environment scores its episodes (an episode it leaves unscored is unscorable)
+    else:
+        specs = load_reward_specs(reward_names(cfg.reward, cfg.data, source), columns, reward_weights)
     held_out = source.held_out(cfg.data.eval_size) if cfg.data.eval_size else []
     if (model is None) != (tokenizer is None):
         raise PosttrainError("pass both model= and tokenizer= (or neither, to load model.name_or_path)")
@@ -127,7 +147,14 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
             device=model_section.device,
             chat_template=model_section.chat_template,
         )
-    check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
+    if env is None:  # episodes: the environment makes each prompt, checked when it does
+        check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
+    episodes = None
+    if env is not None:
+        options = episode_options(
+            env, tokenizer, cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens, make_env=make_env, parser=parser
+        )
+        episodes = EpisodeGroups(options)
     # The adapters' random initial weights come from one seed on every rank: FSDP2 keeps each rank's shard of
     # what that rank drew (DDP would broadcast rank 0's), so the ranks must all draw one process's values.
     torch.manual_seed(cfg.train.seed)
@@ -176,7 +203,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         logprobs=True,
     )
     overlong = None
-    if algo.overlong_penalty:
+    if algo.overlong_penalty and env is None:  # an episode's length is its turns' and observations'; not shaped
         overlong = OverlongShaping(
             cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor
         )
@@ -203,6 +230,7 @@ def setup_run(cfg: RLConfig, command: str, *, model: nn.Module | None = None, to
         parallel=parallel,
         objective=objective_params(cfg, algo, rollout_mismatch=_announce_mismatch(cfg, parallel, llm)),
         rank_sizes=rank_sizes,
+        episodes=episodes,
     )
     # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
     # copy was taken above from the initial weights, before any restore.

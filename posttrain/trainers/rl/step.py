@@ -38,6 +38,8 @@ from torch import Tensor
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
 from posttrain.distributed.env import reduce_metrics
 from posttrain.rollout.collect import collect_rollout, prompt_seed_base
+from posttrain.rollout.episode_batch import episode_metrics
+from posttrain.rollout.generate import generate_groups
 from posttrain.trainers.rl.config import batch_sizes
 from posttrain.trainers.rl.metrics import StepTimer, batch_metrics, peak_memory_gb
 from posttrain.trainers.rl.ppo import ppo_advantages, whiten_over_ranks
@@ -135,10 +137,13 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
             shard=parallel.shard if sharded else None,
             seed_base=prompt_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
             lockstep=lockstep,
+            generate=run.episodes or generate_groups,
         )
     timer.seconds["rollout"] = stats.rollout_s
     timer.seconds["reward"] = stats.reward_s
     metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
+    if run.episodes is not None:
+        metrics.update(episode_metrics(run.episodes.take_log()))
     if lockstep.active:  # engine forwards this rank ran only to take part in the others' gathers
         metrics["rollout/idle_forwards"] = lockstep.idle_forwards
     if run.algo.dynamic_sampling:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from posttrain.distributed.env import barrier, broadcast_object, is_main
+from posttrain.envs import Environment
+from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import PosttrainError
+from posttrain.rollout.episode_batch import EpisodeGroups, episode_metrics
 from posttrain.rollout.evaluate import evaluate
+from posttrain.rollout.generate import generate_groups
 from posttrain.trainers.adapters import save_final_dir, save_final_parallel
 from posttrain.trainers.loop import run_steps
 from posttrain.trainers.rl.config import GRPOConfig, PPOConfig, RLConfig
@@ -31,10 +36,20 @@ def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
     max_tokens = run.cfg.eval.max_tokens or run.cfg.rollout.max_tokens
     # Under torchrun every rank evaluates every held-out prompt (greedy: the same answers everywhere), so the
     # ranks stay in step with no reduction; rank 0 writes.
+    # Episodes: the same runner as the rollout's, greedy, one episode per held-out row, with its own log.
+    episodes = EpisodeGroups(run.episodes.options) if run.episodes is not None else None
     with rollout_weights(run) as lockstep:
         metrics, samples = evaluate(
-            run.llm, run.held_out, run.specs, max_tokens, run.cfg.reward.correct_threshold, lockstep=lockstep
+            run.llm,
+            run.held_out,
+            run.specs,
+            max_tokens,
+            run.cfg.reward.correct_threshold,
+            lockstep=lockstep,
+            generate=episodes or generate_groups,
         )
+    if episodes is not None:
+        metrics.update({f"eval/{key}": value for key, value in episode_metrics(episodes.take_log()).items()})
     metrics["time/eval_s"] = time.perf_counter() - start
     if not is_main():
         return metrics
@@ -120,10 +135,11 @@ def _run_steps(run: RLRun, started: float, eval_s: float, desc: str) -> int:
     return done
 
 
-def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
-    """Run the RL loop to max_steps or the time budget; returns the run directory."""
+def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokenizer: Any = None, **env: Any) -> Path:
+    """Run the RL loop to max_steps or the time budget; returns the run directory. `env`: setup_run's make_env /
+    parser (an environment given in Python)."""
     started = time.perf_counter()
-    run = setup_run(cfg, command, model=model, tokenizer=tokenizer)
+    run = setup_run(cfg, command, model=model, tokenizer=tokenizer, **env)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
     try:
         eval_s = 0.0
@@ -157,11 +173,19 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
     return run.run_dir
 
 
-def train_grpo(cfg: GRPOConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
-    """Run `posttrain grpo` from a GRPOConfig (any GRPO-family `algorithm`); returns the run directory."""
+def train_grpo(
+    cfg: GRPOConfig,
+    *,
+    model: nn.Module | None = None,
+    tokenizer: Any = None,
+    make_env: Callable[[], Environment] | None = None,
+    parser: ToolCallParser | None = None,
+) -> Path:
+    """Run `posttrain grpo` from a GRPOConfig (any GRPO-family `algorithm`); returns the run directory.
+    `make_env` / `parser`: the `env:` section's environment factory and tool-call parser, given in Python."""
     if not isinstance(cfg, GRPOConfig):
         raise PosttrainError(f"train_grpo needs a GRPOConfig, got {type(cfg).__name__} (PPO: train_ppo)")
-    return train(cfg, "grpo", model=model, tokenizer=tokenizer)
+    return train(cfg, "grpo", model=model, tokenizer=tokenizer, make_env=make_env, parser=parser)
 
 
 def train_ppo(cfg: PPOConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:

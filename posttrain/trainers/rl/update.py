@@ -35,7 +35,7 @@ class StepBatch:
 
     packs: list[PackedGroups]
     slices: list[slice]  # the samples of each micro-batch
-    mask: Tensor  # (B, L) completion tokens
+    mask: Tensor  # (B, L) completion tokens the model sampled (episodes: not the observations between turns)
     rollout_logprobs: Tensor  # (B, L) the engine's, at sampling
     rewards: Tensor  # (B,)
     num_groups: int
@@ -72,6 +72,8 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     lengths = [len(ids) for ids in batch.completion_ids]
     L = max(lengths)
     mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).float().to(run.device)  # (B, L)
+    if batch.completion_mask is not None:  # episodes: the model's own tokens only, never the observations
+        mask = mask * _pad(batch.completion_mask, L, run.device)
     return StepBatch(
         packs, slices, mask, _pad(batch.rollout_logprobs, L, run.device), batch.rewards.to(run.device), batch.num_groups
     )

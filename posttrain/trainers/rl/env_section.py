@@ -1,0 +1,87 @@
+"""`env:` of `posttrain grpo`: train on multi-turn episodes with an environment and its tools (docs/agents.md).
+
+Without an `env:` section a run is the single-turn one, unchanged. With it, every rollout sample is an episode
+(posttrain.rollout.episodes): the environment opens it from the data row, the model's turns are parsed for
+tool calls and answered with observations until the environment ends it or a limit truncates it. Each model
+turn samples at most `rollout.max_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from posttrain.envs.tool_calls import ToolCallParser
+from posttrain.errors import PosttrainError
+from posttrain.rollout.chat_tokens import ChatTokens
+from posttrain.rollout.episode_batch import EpisodeOptions
+from posttrain.rollout.episodes import EpisodeLimits
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class EnvSection:
+    name: str = ""  # a built-in environment (calculator, guess_number) or path/to/file.py:Class
+    tools: list[str] = field(default_factory=list)  # tools to give it beyond its own (built-in names)
+    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the environment
+    # How tool calls are read from a model turn: a posttrain.envs.tool_calls name or path.py:function. The chat
+    # template that renders tools and tool messages is the model's: `model.chat_template` (chatml_tools).
+    parser: str = "hermes"
+    max_turns: int = 4  # model turns per episode; a turn past it ends the episode truncated
+    max_episode_tokens: int = 512  # tokens after the opening prompt (model + observations)
+    # One tool call, given to the environment as its `tool_timeout_s` option (calculator, tools); null: its default.
+    tool_timeout_s: float | None = None
+    step_timeout_s: float = 60.0  # one whole environment call (reset, step, episode_reward): the rollout's bound
+    truncated_reward: Literal["zero", "unscorable"] = "zero"  # a truncated episode's reward: 0, or left out (NaN)
+    # Per-step rewards an environment returns: ignore them (outcome only), or add their sum to the episode's
+    # outcome reward before the group's advantage is taken.
+    turn_rewards: Literal["ignore", "sum"] = "ignore"
+    workers: int = 4  # threads running environment calls while the engine decodes
+
+    def validate(self) -> None:
+        _need(bool(self.name), "name must name an environment (a built-in or path/to/file.py:Class)")
+        for name in ("max_turns", "max_episode_tokens", "workers"):
+            _need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tool_timeout_s", "step_timeout_s"):
+            value = getattr(self, name)
+            _need(value is None or value > 0, f"{name} must be > 0, got {value}")
+
+
+def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
+    """The section's environment factory and tool-call parser (posttrain.envs)."""
+    from posttrain.envs.loading import load_environment_factory
+    from posttrain.envs.tool_calls import get_tool_call_parser
+
+    options = dict(env.options)
+    if env.tool_timeout_s is not None:
+        options["tool_timeout_s"] = env.tool_timeout_s
+    return load_environment_factory(env.name, tools=env.tools, options=options), get_tool_call_parser(env.parser)
+
+
+def episode_options(
+    env: EnvSection,
+    tokenizer: Any,
+    max_tokens: int,
+    max_prompt_tokens: int,
+    make_env: Any = None,
+    parser: ToolCallParser | None = None,
+) -> EpisodeOptions:
+    """Everything the rollout needs to play the section's episodes. `make_env` / `parser`: given in Python (a
+    test's scripted environment), else loaded from the section. One environment is made here to read its tools'
+    schemas, which every episode's prompt renders."""
+    if make_env is None or parser is None:
+        loaded_env, loaded_parser = load_environment(env)
+        make_env, parser = make_env or loaded_env, parser or loaded_parser
+    try:
+        schemas = [tool.schema for tool in make_env().tools]
+    except PosttrainError:
+        raise
+    except Exception as error:
+        raise PosttrainError(f"env.name={env.name!r}: the environment cannot be made ({error})") from error
+    chat = ChatTokens(tokenizer, schemas)
+    limits = EpisodeLimits(env.max_turns, max_tokens, env.max_episode_tokens, max_prompt_tokens, env.step_timeout_s)
+    return EpisodeOptions(make_env, parser, chat, limits, env.workers, env.truncated_reward, env.turn_rewards)
