@@ -20,6 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="also serve a PEFT LoRA adapter as model NAME (repeatable)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|PATH",
+        help="replace the model's chat template: a built-in name (chatml_tools: tools for the default model) "
+        "or a .jinja file",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        metavar="NAME|SPEC",
+        help="how tool calls are read from chat replies: hermes, or path/to/file.py:function or "
+        "package.module:function (default: hermes)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="0-65535; 0 picks a free port (default: 8000)")
     parser.add_argument(
@@ -76,15 +90,23 @@ def run(args: argparse.Namespace) -> int:
         from posttrain.serve.app import build_app
     except ImportError as error:
         raise PosttrainError(f"serve needs FastAPI and uvicorn ({error}): pip install fastapi uvicorn") from None
+    from posttrain.chat_templates import load_chat_template
     from posttrain.serve import bind
     from posttrain.serve.auth import ENV_VAR, resolve_api_keys
     from posttrain.serve.loading import load_served_models, parse_lora_specs
+    from posttrain.serve.tools import tool_calling
 
     bind.check_port(args.port)
     if args.max_body_bytes < 1:
         raise PosttrainError(f"--max-body-bytes={args.max_body_bytes}: must be a positive integer")
     api_keys = resolve_api_keys(args.api_key, os.environ)
     loras = parse_lora_specs(args.lora)
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template, key="--chat-template")  # a bad name fails before the model loads
+    try:
+        calling = tool_calling(args.tool_call_parser)
+    except PosttrainError as error:
+        raise PosttrainError(f"--tool-call-parser: {error}") from None
     sock = bind.bind_socket(args.host, args.port)  # before the model loads: a busy port fails at once
     try:
         port = bind.bound_port(sock)
@@ -102,8 +124,11 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             dtype=args.dtype,
             device=args.device,
+            chat_template=args.chat_template,
         )
-        app = build_app(async_engine, tokenizer, max_body_bytes=args.max_body_bytes, api_keys=api_keys)
+        app = build_app(
+            async_engine, tokenizer, max_body_bytes=args.max_body_bytes, api_keys=api_keys, tool_calling=calling
+        )
         bind.listen(sock, args.host)
         guard = f" ({len(api_keys)} API key{'s' if len(api_keys) > 1 else ''})" if api_keys else ""
         print(f"serving {', '.join(async_engine.models)} on {bind.url(args.host, port)}/v1{guard}", flush=True)

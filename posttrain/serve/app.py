@@ -1,9 +1,10 @@
 """The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /debug/stats.
 
-    app = build_app(async_engine, tokenizer, max_body_bytes=4 << 20, api_keys=["sk-..."])
+    app = build_app(async_engine, tokenizer, max_body_bytes=4 << 20, api_keys=["sk-..."], tool_calling=None)
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-With `api_keys`, every route but /health needs `Authorization: Bearer <key>` (auth.py).
+With `api_keys`, every route but /health needs `Authorization: Bearer <key>` (auth.py). Tool calls in chat
+replies are read with `tool_calling` (tools.py; default: the hermes parser).
 
 Every refusal is an OpenAI-shaped error (errors.py) and leaves the server as it was. A client that goes
 away has its requests aborted: streaming responses are cancelled by the server on disconnect, and
@@ -26,13 +27,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from posttrain.errors import PosttrainError
-from posttrain.serve import render
+from posttrain.serve import render, tools
 from posttrain.serve.async_engine import AsyncEngine, EngineDeadError, ServedModel
 from posttrain.serve.auth import APIKeyAuth
 from posttrain.serve.errors import APIError, context_length_exceeded, error_body, model_not_found
 from posttrain.serve.protocol import (
-    CHAT_ROLES,
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -57,9 +56,11 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_keys: Sequence[str] = (),
+    tool_calling: tools.ToolCalling | None = None,
 ) -> FastAPI:
     """A FastAPI app over a (not yet started) AsyncEngine; the app starts and stops its loop. With `api_keys`,
-    requests need one of them as a Bearer token (all routes but /health)."""
+    requests need one of them as a Bearer token (all routes but /health). `tool_calling`: how chat replies
+    are read for tool calls (default: tools.tool_calling("hermes"))."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,7 +73,7 @@ def build_app(
     app = FastAPI(title="posttrain", lifespan=lifespan)
     if api_keys:
         app.add_middleware(APIKeyAuth, keys=list(api_keys))
-    api = _Handlers(async_engine, tokenizer, max_body_bytes)
+    api = _Handlers(async_engine, tokenizer, max_body_bytes, tool_calling or tools.tool_calling())
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -122,11 +123,15 @@ def build_app(
 
 
 class _Handlers:
-    def __init__(self, async_engine: AsyncEngine, tokenizer: Any, max_body_bytes: int) -> None:
+    def __init__(
+        self, async_engine: AsyncEngine, tokenizer: Any, max_body_bytes: int, tool_calling: tools.ToolCalling
+    ) -> None:
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.max_body_bytes = max_body_bytes
         self.token_text = render.TokenText(tokenizer)
+        self.tool_calling = tool_calling
+        self.template_takes_tools = tools.template_takes_tools(getattr(tokenizer, "chat_template", None))
 
     # ---- shared steps ---------------------------------------------------------------------------------
 
@@ -344,7 +349,8 @@ class _Handlers:
     async def chat(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         served = self._model(req.model)
-        prompt = self._chat_prompt(req)
+        plan = tools.request_tools(req, self.template_takes_tools)
+        prompt = self._chat_prompt(req, plan)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, served.max_model_len - len(prompt))
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -358,7 +364,7 @@ class _Handlers:
         outputs = self.engine.generate(served.name, request_id, [prompt], params, stream=req.stream)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._chat_stream(req, request_id, outputs, params, len(prompt), include_usage))
+            return _sse(self._chat_stream(req, request_id, outputs, params, prompt, include_usage, plan))
         finals = await self._collect(request, outputs)
         if finals is None:
             return Response(status_code=499)
@@ -368,12 +374,16 @@ class _Handlers:
             logprobs = None
             if req.logprobs:
                 logprobs = render.chat_logprobs(self.token_text, out.token_ids, out.logprobs or [], out.top_logprobs)
+            message, finish_reason = tools.chat_reply(
+                self.tool_calling, plan, out.text, render.finish_reason(out.finish_reason)
+            )
             choices.append(
                 ChatChoice(
                     index=out.index,
-                    message=AssistantMessage(content=out.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=render.finish_reason(out.finish_reason),
+                    finish_reason=finish_reason,
+                    token_ids=list(out.token_ids) if req.return_token_ids else None,
                 )
             )
         return JSONResponse(
@@ -385,27 +395,18 @@ class _Handlers:
                     choices=choices,
                     usage=render.usage(len(prompt), completion_tokens),
                     prompt_logprobs=self._prompt_logprobs(req, finals[0]),
+                    prompt_token_ids=list(finals[0].prompt_token_ids) if req.return_token_ids else None,
                 )
             )
         )
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if not req.messages:
-            raise APIError("messages must contain at least one message", param="messages")
-        messages = []
-        for i, message in enumerate(req.messages):
-            if message.role not in CHAT_ROLES:
-                raise APIError(
-                    f"Invalid value {message.role!r} for messages[{i}].role; supported roles: {', '.join(CHAT_ROLES)}",
-                    param=f"messages.[{i}].role",
-                )
-            content = message.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": content or ""})
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: tools.RequestTools) -> list[int]:
+        messages = tools.template_messages(req.messages)
+        extra = {"tools": plan.schemas} if plan.schemas else {}
         try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            return list(
+                self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+            )
         except PosttrainError as error:
             raise APIError(str(error), param="messages") from None
 
@@ -415,21 +416,30 @@ class _Handlers:
         request_id: str,
         outputs: AsyncIterator,
         params: Any,
-        prompt_tokens: int,
+        prompt: list[int],
         include_usage: bool,
+        plan: tools.RequestTools,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
 
-        def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
-            return render.sse(
-                dump(ChatCompletionChunk(id=request_id, created=created, model=req.model, choices=choices, usage=usage))
+        def chunk(choices: list[ChatChunkChoice], usage: Any = None, prompt_token_ids: Any = None) -> bytes:
+            body = ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=req.model,
+                choices=choices,
+                usage=usage,
+                prompt_token_ids=prompt_token_ids,
             )
+            return render.sse(dump(body))
 
         trackers = [render.DeltaTracker(params.stop) for _ in range(req.n)]
+        readers = [tools.ToolCallReader(self.tool_calling) for _ in range(req.n)] if plan.parse else None
         completion_tokens = 0
         async with contextlib.aclosing(outputs):
             yield chunk(
-                [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)]
+                [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)],
+                prompt_token_ids=list(prompt) if req.return_token_ids else None,
             )
             try:
                 async for _, output in outputs:
@@ -443,20 +453,29 @@ class _Handlers:
                             logprobs = render.chat_logprobs(
                                 self.token_text, delta.token_ids, delta.logprobs or [], delta.top_logprobs
                             )
+                        message, finish_reason = DeltaMessage(content=delta.text), delta.finish_reason
+                        if readers is not None:
+                            reader = readers[out.index]
+                            content, calls = reader.feed(delta.text, finished=finish_reason is not None)
+                            message = DeltaMessage(
+                                content=content if content or not calls else None, tool_calls=calls or None
+                            )
+                            finish_reason = tools.finish_reason(finish_reason, reader.num_calls, plan)
                         yield chunk(
                             [
                                 ChatChunkChoice(
                                     index=out.index,
-                                    delta=DeltaMessage(content=delta.text),
+                                    delta=message,
                                     logprobs=logprobs,
-                                    finish_reason=delta.finish_reason,
+                                    finish_reason=finish_reason,
+                                    token_ids=delta.token_ids if req.return_token_ids else None,
                                 )
                             ]
                         )
             except (EngineDeadError, PosttrainError) as error:
                 yield render.sse(error_body(str(error), type="internal_error"))
         if include_usage:
-            yield chunk([], render.usage(prompt_tokens, completion_tokens))
+            yield chunk([], render.usage(len(prompt), completion_tokens))
         yield render.SSE_DONE
 
 

@@ -83,9 +83,11 @@ def load_served_models(
     served_model_name: str | None = None,
     dtype: str | None = None,
     device: str | None = None,
+    chat_template: str | None = None,
 ) -> tuple[AsyncEngine, Any]:
-    """Load `model_name` (load_model) and build the AsyncEngine over it. Returns (async engine, tokenizer)."""
+    """Load `model_name` (load_model) and build the AsyncEngine over it. Returns (async engine, tokenizer).
+    `chat_template`: a built-in template name (`chatml_tools`) or a .jinja path replacing the checkpoint's."""
     from posttrain.models.hub import load_model
 
-    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device, chat_template=chat_template)
     return build_served_models(model, tokenizer, served_model_name or str(model_name), loras, config), tokenizer

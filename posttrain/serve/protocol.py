@@ -2,7 +2,8 @@
 
 Unknown request fields are ignored, as OpenAI-compatible servers commonly do. A few vLLM extensions
 (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `skip_special_tokens`,
-`include_stop_str_in_output`) are accepted too; the official client sends them through `extra_body`.
+`include_stop_str_in_output`, `return_token_ids`) are accepted too; the official client sends them through
+`extra_body`. Tools (`tools`, `tool_choice`, assistant `tool_calls`, `tool` messages) are read by serve/tools.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
 
 
@@ -61,10 +62,46 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; an object is taken as it is
+
+
+class ToolCallIn(_Request):
+    """A call in an earlier assistant message, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolSpec(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -73,6 +110,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
+    return_token_ids: bool = False  # vLLM extension: the prompt's and each choice's token ids
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -136,9 +176,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: a reply of tool calls only
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -146,6 +198,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the completion's ids (the stop token included)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -156,11 +209,22 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ToolCallDelta(BaseModel):
+    """One whole call in a stream: index (its place among the choice's calls), id, name and arguments."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -168,6 +232,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the ids this chunk adds
 
 
 class ChatCompletionChunk(BaseModel):
@@ -177,6 +242,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):
