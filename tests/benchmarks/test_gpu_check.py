@@ -29,14 +29,18 @@ def _gpu_check_module(monkeypatch: pytest.MonkeyPatch):
     return module
 
 
-def test_dry_run_prints_every_check_skipped() -> None:
-    done = subprocess.run(
+def _dry_run(python: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": python},
     )
+
+
+def test_dry_run_prints_every_check_skipped() -> None:
+    done = _dry_run(sys.executable)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["benchmark"] == "gpu_check" and report["dry_run"] is True
@@ -52,13 +56,7 @@ def test_dry_run_prints_every_check_skipped() -> None:
 
 
 def test_a_missing_python_is_named() -> None:
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHON": "/nonexistent/python"},
-    )
+    done = _dry_run("/nonexistent/python")
     assert done.returncode == 2 and "no Python at /nonexistent/python" in done.stderr
 
 
