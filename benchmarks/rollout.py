@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/rollout.py                    # 64 prompts x n=8 x 32 new tokens
     .venv/bin/python benchmarks/rollout.py --max-tokens 128
+    .venv/bin/python benchmarks/rollout.py --device cuda --cuda-graphs    # bf16 on a GPU (benchmarks/gpu_check.sh)
 
 Prompts: GSM8K train questions through the model's chat template. Sampling at temperature 1 with EOS
 ignored, so every sample is exactly --max-tokens long. transformers runs the same prompts (all of them by
 default; --hf-prompts K takes the first K for a quicker, rougher figure: at 128 tokens transformers made
 154 tokens/s on 16 prompts and 128 on all 64) and the two are compared in generated tokens/s.
-Also reported: the fraction of this machine's fp32 matmul rate the engine reaches, counting
-2 x parameters FLOP per token through the model (prefill + decode; prefix-cache hits excluded).
+Also reported: the fraction of this machine's matmul rate (in the run's dtype, on its device) the engine
+reaches, counting 2 x parameters FLOP per token through the model (prefill + decode; prefix-cache hits
+excluded).
 The engine's allocator tuning (EngineConfig.tune_cpu_allocator) is process-wide, so transformers runs
 after it with the same tuned allocator: the ratio compares the engines, not malloc settings.
 Prints progress to stderr and one JSON object as the last line of stdout.
@@ -28,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from posttrain.engine import LLM, SamplingParams  # noqa: E402
-from posttrain.models.hub import load_model, resolve_model_path  # noqa: E402
+from posttrain.models.checkpoint_io import parse_dtype  # noqa: E402
+from posttrain.models.hub import default_dtype, load_model, resolve_model_path  # noqa: E402
 
 GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
@@ -37,16 +40,24 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def matmul_gflops(n: int = 2048, reps: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     best = float("inf")
     for _ in range(reps):
+        synchronize(device)
         start = time.perf_counter()
         a @ b
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def load_prompts(path: Path, count: int, tokenizer) -> list[list[int]]:
@@ -62,8 +73,8 @@ def load_prompts(path: Path, count: int, tokenizer) -> list[list[int]]:
     ]
 
 
-def run_posttrain(model, tokenizer, prompts, n: int, max_tokens: int, params_count: int) -> dict:
-    llm = LLM(model, tokenizer)
+def run_posttrain(model, tokenizer, prompts, n: int, max_tokens: int, params_count: int, **engine) -> dict:
+    llm = LLM(model, tokenizer, **engine)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True, seed=None)
     llm.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
     llm.weights_updated()  # an empty prefix cache, as at the start of an RL step
@@ -84,17 +95,20 @@ def run_posttrain(model, tokenizer, prompts, n: int, max_tokens: int, params_cou
         "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
         "model_gflops": round(2 * params_count * processed / seconds / 1e9, 1),
         "kv_blocks": after["kv_blocks"],
+        "attention_backend": llm.engine.attention_backend,
     }
 
 
-def run_transformers(model_dir: Path, prompts, n: int, max_tokens: int, pad_id: int) -> dict:
+def run_transformers(
+    model_dir: Path, prompts, n: int, max_tokens: int, pad_id: int, device: torch.device, dtype: torch.dtype
+) -> dict:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = dict(
         do_sample=True,
         temperature=1.0,
@@ -111,8 +125,10 @@ def run_transformers(model_dir: Path, prompts, n: int, max_tokens: int, pad_id: 
             attention_mask=attention_mask[:1],
             **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4},
         )
+        synchronize(device)
         start = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        synchronize(device)
         seconds = time.perf_counter() - start
     generated = (out.shape[1] - width) * out.shape[0]
     return {"seconds": round(seconds, 2), "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 1)}
@@ -129,6 +145,10 @@ def main() -> None:
     )
     parser.add_argument("--data", type=Path, default=GSM8K)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (both sides)")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 else)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs (CUDA only)")
+    parser.add_argument("--attention-backend", default="auto", help="EngineConfig.attention_backend")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,12 +156,15 @@ def main() -> None:
         args.hf_prompts = args.prompts
 
     torch.manual_seed(0)
-    gflops = matmul_gflops()
-    log(f"fp32 matmul: {gflops:.0f} GFLOP/s")
-    model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
+    device = torch.device(args.device)
+    dtype = parse_dtype(args.dtype) or default_dtype(device)
+    gflops = matmul_gflops(device, dtype)
+    log(f"{dtype} matmul on {device}: {gflops:.0f} GFLOP/s")
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     prompts = load_prompts(args.data, args.prompts, tokenizer)
     params_count = model.num_parameters()
-    ours = run_posttrain(model, tokenizer, prompts, args.n, args.max_tokens, params_count)
+    engine = dict(cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend)
+    ours = run_posttrain(model, tokenizer, prompts, args.n, args.max_tokens, params_count, **engine)
     ours["matmul_fraction"] = round(ours["model_gflops"] / gflops, 3)
     log(f"posttrain: {ours}")
     result = {
@@ -153,6 +176,9 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
         },
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "cuda_graphs": args.cuda_graphs,
         "threads": torch.get_num_threads(),
         "matmul_gflops": round(gflops, 1),
         "posttrain": ours,
@@ -160,7 +186,7 @@ def main() -> None:
     if args.hf_prompts:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         hf = run_transformers(
-            resolve_model_path(args.model), prompts[: args.hf_prompts], args.n, args.max_tokens, pad_id
+            resolve_model_path(args.model), prompts[: args.hf_prompts], args.n, args.max_tokens, pad_id, device, dtype
         )
         hf["prompts"] = args.hf_prompts
         log(f"transformers: {hf}")

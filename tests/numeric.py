@@ -104,3 +104,16 @@ def loss_after_updates_tolerance(loss: float, grad_norm: float, drift: float, rt
     `adam_drift` of the updates before it): its own reordering plus, to first order, |grad L| * drift, with
     grad_norm the norm of that loss's gradient at those weights (what the trainers log, before clipping)."""
     return reorder_tolerance(loss, rtol) + grad_norm * drift
+
+
+# bf16 (CUDA runs). bf16 keeps 8 significant bits, so one rounding moves a result by up to 2^-9 relative, and two
+# implementations round their intermediates (activations, attention weights, partial sums) at different points.
+# No random-walk argument holds at this precision over so few roundings, so the bound is the worst case: every
+# rounding of both runs one way. What it can catch is structure (a wrong mask, position or scale moves logits by
+# their own size), not the last bits.
+BF16_UNIT_ROUNDOFF = 2.0**-9
+
+
+def bf16_rtol(roundings: int) -> float:
+    """How far two bf16 computations, each through `roundings` roundings, may lie apart, relative to the scale."""
+    return 2 * roundings * BF16_UNIT_ROUNDOFF

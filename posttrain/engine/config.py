@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+from posttrain.engine.attention_backend import ATTENTION_BACKENDS
 from posttrain.errors import ConfigError
 
 
@@ -29,6 +31,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # fraction of blocks kept free when admitting a new sequence (less preemption)
     cuda_graphs: bool = False  # capture decode steps as CUDA graphs (CUDA only)
+    # The kernel that attends over the KV pool (posttrain/engine/attention_backend.py): auto picks flash-attn
+    # on CUDA when installed and block_size allows it, else FlexAttention on CUDA; on CPU the C kernels.
+    attention_backend: Literal["auto", "cpu", "reference", "flex", "flash"] = "auto"
     # On CPU with glibc: keep freed memory in the heap instead of returning it to the OS, so the large
     # per-step temporaries do not page-fault on every step (3-4x faster steps on the machines we measured).
     # glibc's `hold` policy (posttrain.cpu_malloc) while generate() runs; a process that set no policy of
@@ -69,6 +74,10 @@ class EngineConfig:
             or not 0 <= self.watermark < 1
         ):
             raise EngineConfigError(f"watermark={self.watermark!r}: must be in [0, 1)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise EngineConfigError(
+                f"attention_backend={self.attention_backend!r}: must be one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator", "pack_cpu_weights", "cpu_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: must be true or false")

@@ -413,6 +413,11 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    @property
+    def attention_backend(self) -> str:
+        """The paged-attention kernel the steps run (EngineConfig.attention_backend resolved)."""
+        return self.runner.attention_backend
+
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
         return {

@@ -14,6 +14,7 @@ import torch
 
 from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
 from posttrain.engine import packed_weights
+from posttrain.engine.attention_backend import resolve_attention_backend
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
@@ -67,6 +68,10 @@ class ModelRunner:
         self.attention_workspace = PagedWorkspace()  # plans, staged K/V and scratch of the paged attention
         if self.tunes_malloc and current_malloc_policy() == "default":
             set_malloc_policy("hold")  # nobody chose: the engine's policy for the whole process, as before
+        # The paged-attention kernel every step runs (posttrain/engine/attention_backend.py).
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, self.dtype, self.block_size
+        )
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:
             if self.device.type != "cuda":
@@ -127,6 +132,7 @@ class ModelRunner:
                 max_blocks,
                 scratch_block=self.num_blocks,
                 block_size=self.block_size,
+                attention_backend=self.attention_backend,
             )
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -151,6 +157,7 @@ class ModelRunner:
                 self.graphs.max_blocks,
                 self.graphs.scratch_block,
                 self.block_size,
+                self.attention_backend,
             )
 
     @property
@@ -201,9 +208,12 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
         device = self.device
+        # On CUDA from pinned host memory, so the copies really are asynchronous (torch's caching host
+        # allocator keeps each pinned buffer alive until its copy is done).
+        pinned = device.type == "cuda"
 
         def as_tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+            return torch.tensor(values, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
 
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches,
@@ -214,6 +224,7 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens),
             workspace=self.attention_workspace,
             native_kernels=self.config.cpu_kernels,
+            backend=self.attention_backend,
         )
         prompt = None
         if prompt_rows:
@@ -301,8 +312,10 @@ class DecodeGraphs:
         max_blocks: int,
         scratch_block: int,
         block_size: int,
+        attention_backend: str | None = None,
     ) -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.kv_caches = kv_caches
         self.max_seqs, self.max_blocks = max_seqs, max_blocks
         self.scratch_block = scratch_block
@@ -350,16 +363,18 @@ class DecodeGraphs:
         return hidden[:S]
 
     def _capture(self, Sb: int, Wb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        meta = PagedAttentionMetadata(
-            self.kv_caches,
-            self.slot_mapping[:Sb],
-            self.block_tables[:Sb, :Wb],
-            self.context_lens[:Sb],
-            self.query_lens[:Sb],
-            max_query_len=1,
-        )
-
         def forward() -> torch.Tensor:
+            # A fresh metadata object per call: a kernel's per-step plan (meta.cached_plan) made in the
+            # warm-up must not stand in for the one the graph computes from its static buffers.
+            meta = PagedAttentionMetadata(
+                self.kv_caches,
+                self.slot_mapping[:Sb],
+                self.block_tables[:Sb, :Wb],
+                self.context_lens[:Sb],
+                self.query_lens[:Sb],
+                max_query_len=1,
+                backend=self.attention_backend,
+            )
             return self.model.hidden_states(self.input_ids[:Sb], positions=self.positions[:Sb], attn_meta=meta)
 
         side = torch.cuda.Stream()

@@ -5,7 +5,9 @@ model reads it. A leaf of models: the attention and the paged kernel both import
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +55,11 @@ class PagedAttentionMetadata:
     workspace: the plan, staged K/V and scratch buffers the caller keeps across layers and steps (the engine's
         runner passes its own; the default is a fresh one, see paged_workspace.py).
     native_kernels: whether the CPU path may take posttrain.kernels (EngineConfig.cpu_kernels).
+    backend: which kernel attends (posttrain/models/paged_attention.py, `PAGED_BACKENDS`); None: the CPU
+        fast path on CPU, the reference elsewhere. The engine sets it from EngineConfig.attention_backend.
+
+    A pool block sits at one logical index in every table that lists it: its K/V carry their positions
+    (RoPE), so blocks are shared only as common prefixes. The FlexAttention kernel relies on it.
     """
 
     kv_caches: list[torch.Tensor]
@@ -63,6 +70,14 @@ class PagedAttentionMetadata:
     max_query_len: int
     workspace: PagedWorkspace = field(default_factory=PagedWorkspace, repr=False, compare=False)
     native_kernels: bool = True
+    backend: str | None = None
+    _plans: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def cached_plan(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """A kernel's per-step plan, built at the first layer that asks and shared by the others."""
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
 
 
 AttentionMetadata = DenseAttentionMetadata | PagedAttentionMetadata

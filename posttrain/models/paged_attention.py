@@ -1,11 +1,14 @@
 """Attention over a paged KV cache: write the new tokens' K/V into their slots, then attend over each
-sequence's blocks. Pure PyTorch, so it runs on CPU and GPU alike.
+sequence's blocks. `paged_attention` picks the kernel named by the metadata's `backend`
+(`PAGED_BACKENDS`; the engine sets it from EngineConfig.attention_backend, docs/engine.md "Attention
+backends"):
 
-Two implementations with one contract (`PagedAttentionMetadata`):
-
-- `reference_paged_attention`: gathers every sequence's whole context and runs masked SDPA. Simple and
-  obviously right; used on accelerators, with a sliding window, and as the oracle in tests.
-- the CPU fast path (`paged_attention` on CPU). Decode rows (one new token) use cascade attention:
+- "reference" (`reference_paged_attention`): gathers every sequence's whole context and runs masked
+  SDPA. Simple and obviously right: the oracle in tests, and the fallback on any device.
+- "flex" (posttrain/models/paged_flex.py): PyTorch's FlexAttention over the pool in place, with a paged
+  BlockMask; a fused Triton kernel on CUDA.
+- "flash" (posttrain/models/paged_flash.py): flash-attn's paged kernels, when that package is installed.
+- "cpu": the CPU fast path below. Decode rows (one new token) use cascade attention:
   sequences that share leading blocks (the n samples of a prompt after the prefill fork) attend those
   blocks ONCE as a group, with the group's query heads stacked as query rows; each sequence then attends
   its own remaining blocks, and the two parts combine exactly (online softmax / log-sum-exps).
@@ -19,6 +22,7 @@ Two implementations with one contract (`PagedAttentionMetadata`):
     from step to step), runs SDPA's flash kernel with grouped-query heads as query rows, and merges the
     two partial softmaxes with their log-sum-exps.
   Prefill rows (query_len > 1) gather their context once into a reused buffer and run masked SDPA.
+  Layers with a sliding window, and tensors off the CPU, take the reference.
 
 Which rows decode and which prefill, and how decoding sequences group, is planned once per step
 (posttrain/models/paged_plan.py) and shared by every layer.
@@ -29,11 +33,15 @@ may be read in the same step by another (the engine's prefix cache relies on it)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from posttrain import kernels
 from posttrain.models.attention_metadata import PagedAttentionMetadata
+from posttrain.models.paged_flash import flash_paged_attention
+from posttrain.models.paged_flex import flex_paged_attention
 from posttrain.models.paged_plan import DecodePlan, PrefillPlan, plan_for
 from posttrain.models.paged_workspace import PagedWorkspace
 
@@ -58,7 +66,24 @@ def paged_attention(
     layer_idx: int,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q (N, H, D), k/v (N, Hkv, D) for the new tokens -> attention output (N, H, D)."""
+    """q (N, H, D), k/v (N, Hkv, D) for the new tokens -> attention output (N, H, D), by meta.backend."""
+    backend = meta.backend or ("cpu" if q.device.type == "cpu" else "reference")
+    if backend == "cpu":
+        return cpu_paged_attention(q, k, v, meta, layer_idx, sliding_window)
+    cache = meta.kv_caches[layer_idx]
+    write_kv(cache, k, v, meta.slot_mapping)
+    return PAGED_BACKENDS[backend](q, cache, meta, sliding_window)
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    layer_idx: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The CPU fast path (module docstring); the reference for windowed layers and off the CPU."""
     cache = meta.kv_caches[layer_idx]
     native = meta.native_kernels and sliding_window is None and kernels.supports(q, cache)
     if native:
@@ -110,6 +135,15 @@ def _reference_attend(
         queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=q.shape[1] != keys.shape[1]
     )  # (S, H, Q, D)
     return flat_outputs(out, meta)
+
+
+# The kernels that attend after the K/V writes: (q, cache, meta, sliding_window) -> (N, H, D). "cpu" writes
+# its own K/V (row copies in C) and is called by name above.
+PAGED_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, int | None], torch.Tensor]] = {
+    "reference": _reference_attend,
+    "flex": flex_paged_attention,
+    "flash": flash_paged_attention,
+}
 
 
 def sequence_queries(q: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
