@@ -10,49 +10,36 @@ from collections.abc import Sequence
 
 from posttrain.errors import PosttrainError
 
-# command -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("posttrain.commands.generate", "generate text from prompts with the rollout engine"),
-    "chat": ("posttrain.commands.chat", "interactive chat with a model, streaming tokens"),
-    "info": ("posttrain.commands.info", "architecture, parameter count, dtype and memory of a model"),
-    "convert": ("posttrain.commands.convert", "convert a model (GGUF, HF dir, known name) to an HF directory"),
-    "quantize": ("posttrain.commands.quantize", "write an int8 / int4 quantized model directory"),
-    "eval": (
-        "posttrain.commands.eval",
-        "evaluate a model: perplexity, task accuracy / pass@k, EM / F1, preference accuracy",
-    ),
-    "sft": ("posttrain.commands.sft", "supervised fine-tuning on prompt/completion, chat or text data"),
-    "lora-merge": (
-        "posttrain.commands.lora_merge",
-        "merge a PEFT LoRA adapter into its base model and save an HF directory",
-    ),
-    "grpo": ("posttrain.commands.grpo", "RL with the GRPO family (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp)"),
-    "ppo": ("posttrain.commands.ppo", "RL with PPO (GAE, a value head on the policy trunk)"),
-    "dpo": (
-        "posttrain.commands.dpo",
-        "preference optimisation: dpo (sigmoid), cdpo, robust, hinge, ipo, simpo, orpo, kto",
-    ),
-    "rm": ("posttrain.commands.rm", "train a reward model (Bradley-Terry, scalar head) for the RL model reward"),
-    "distill": (
-        "posttrain.commands.distill",
-        "distill a teacher into a student (forward / reverse KL, JSD; off- or on-policy)",
-    ),
-    "serve": (
-        "posttrain.commands.serve",
-        "an OpenAI-compatible HTTP server (completions, chat, streaming) over the engine",
-    ),
-    "estimate": (
-        "posttrain.commands.estimate",
-        "memory per device and time per step of a training setup, from the shapes alone",
-    ),
-    "report": ("posttrain.commands.report", "render a run directory's metrics.jsonl as report.html with plots"),
+# command -> one-line help; the command runs from `command_module(command)`
+COMMANDS: dict[str, str] = {
+    "generate": "generate text from prompts with the rollout engine",
+    "chat": "interactive chat with a model, streaming tokens",
+    "info": "architecture, parameter count, dtype and memory of a model",
+    "convert": "convert a model (GGUF, HF dir, known name) to an HF directory",
+    "quantize": "write an int8 / int4 quantized model directory",
+    "eval": "evaluate a model: perplexity, task accuracy / pass@k, EM / F1, preference accuracy",
+    "sft": "supervised fine-tuning on prompt/completion, chat or text data",
+    "lora-merge": "merge a PEFT LoRA adapter into its base model and save an HF directory",
+    "grpo": "RL with the GRPO family (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp)",
+    "ppo": "RL with PPO (GAE, a value head on the policy trunk)",
+    "dpo": "preference optimisation: dpo (sigmoid), cdpo, robust, hinge, ipo, simpo, orpo, kto",
+    "rm": "train a reward model (Bradley-Terry, scalar head) for the RL model reward",
+    "distill": "distill a teacher into a student (forward / reverse KL, JSD; off- or on-policy)",
+    "serve": "an OpenAI-compatible HTTP server (completions, chat, streaming) over the engine",
+    "estimate": "memory per device and time per step of a training setup, from the shapes alone",
+    "report": "render a run directory's metrics.jsonl as report.html with plots",
 }
+
+
+def command_module(name: str) -> str:
+    """The module of command `name`: posttrain.commands.<name>, with `-` written `_` (lora-merge: lora_merge)."""
+    return f"posttrain.commands.{name.replace('-', '_')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-training for decoder-only LLMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text)
     return parser
 
@@ -67,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=f"posttrain {name}", description=COMMANDS[name][1])
+    module = importlib.import_module(command_module(name))
+    sub = argparse.ArgumentParser(prog=f"posttrain {name}", description=COMMANDS[name])
     module.add_arguments(sub)
     args, unknown = sub.parse_known_args(argv[1:])
     if unknown:

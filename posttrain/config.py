@@ -32,7 +32,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any, Literal, NoReturn, TypeVar, Union
 
@@ -72,7 +72,7 @@ def load_config(
         builder.assign(builder.root, parts, value, "", _Source(f"override '{text}'"), raw_text)
     label = str(path) if path is not None else "config"
     config = builder.build(builder.root, "", label)
-    _run_validators(config, "", label)
+    run_validators(config, lambda key, section: f"{label}: {key or type(section).__name__}")
     return config
 
 
@@ -407,23 +407,24 @@ class _Builder:
             raise ConfigError(f"{where}: {key or section.cls.__name__}: {e}") from None
 
 
-def _run_validators(obj: Any, key: str, where: str) -> None:
-    """Call `validate()` on every dataclass in the tree, children before their parent."""
+def run_validators(obj: Any, name_of: Callable[[str, Any], str], key: str = "") -> None:
+    """Call `validate()` on every dataclass in the tree (through lists, tuples and dicts too), children before
+    their parent. A ValueError becomes the ConfigError `<name_of(dotted key, dataclass)>: <error>`."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            _run_validators(getattr(obj, field.name), _join(key, field.name), where)
+            run_validators(getattr(obj, field.name), name_of, _join(key, field.name))
         validate = getattr(obj, "validate", None)
         if callable(validate):
             try:
                 validate()
             except ValueError as e:
-                raise ConfigError(f"{where}: {key or type(obj).__name__}: {e}") from None
+                raise ConfigError(f"{name_of(key, obj)}: {e}") from None
     elif isinstance(obj, (list, tuple)):
         for i, item in enumerate(obj):
-            _run_validators(item, f"{key}[{i}]", where)
+            run_validators(item, name_of, f"{key}[{i}]")
     elif isinstance(obj, dict):
         for k, item in obj.items():
-            _run_validators(item, _join(key, str(k)), where)
+            run_validators(item, name_of, _join(key, str(k)))
 
 
 # ----------------------------------------------------------------------------- leaf coercion

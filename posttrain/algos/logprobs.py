@@ -12,7 +12,7 @@ Work is done in float32 for half-precision inputs (a bf16 logsumexp over 150k en
 and in the input dtype otherwise (float64 stays float64); outputs have that working dtype.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -52,20 +52,33 @@ def _chunks(batch: int, time: int, chunk_tokens: int) -> Iterator[tuple[slice, s
                 yield slice(b, b + 1), slice(t, t + chunk_tokens)
 
 
+def _per_token_with_lse(
+    logits: Tensor, temperature: float, chunk_tokens: int, per_chunk: Callable[[Tensor, Tensor, slice, slice], Tensor]
+) -> tuple[Tensor, Tensor]:
+    """One forward pass over logits (B, T, V) in chunks: z = logits / temperature in the working dtype and its
+    logsumexp per token; `per_chunk(z (b, t, V), lse (b, t), bs, ts)` gives the chunk's values (b, t).
+    Returns (values (B, T), logsumexp (B, T)), both in the working dtype; the backward needs only the latter."""
+    batch, time, _ = logits.shape
+    work = _work_dtype(logits.dtype)
+    values = logits.new_empty((batch, time), dtype=work)  # (B, T)
+    lse = torch.empty_like(values)  # (B, T)
+    for bs, ts in _chunks(batch, time, chunk_tokens):
+        z = _scaled(logits[bs, ts], work, temperature)  # (b, t, V)
+        lse_c = torch.logsumexp(z, dim=-1)  # (b, t)
+        values[bs, ts] = per_chunk(z, lse_c, bs, ts)
+        lse[bs, ts] = lse_c
+    return values, lse
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(z / tau)[label] per token; saves only the logsumexp (B, T) besides the input."""
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, temperature: float, chunk_tokens: int) -> Tensor:
-        batch, time, _ = logits.shape
-        work = _work_dtype(logits.dtype)
-        logprobs = logits.new_empty((batch, time), dtype=work)  # (B, T)
-        lse = torch.empty_like(logprobs)  # (B, T)
-        for bs, ts in _chunks(batch, time, chunk_tokens):
-            z = _scaled(logits[bs, ts], work, temperature)  # (b, t, V)
-            lse_c = torch.logsumexp(z, dim=-1)  # (b, t)
-            logprobs[bs, ts] = z.gather(-1, labels[bs, ts].unsqueeze(-1)).squeeze(-1) - lse_c
-            lse[bs, ts] = lse_c
+        def logprob(z: Tensor, lse_c: Tensor, bs: slice, ts: slice) -> Tensor:
+            return z.gather(-1, labels[bs, ts].unsqueeze(-1)).squeeze(-1) - lse_c  # (b, t)
+
+        logprobs, lse = _per_token_with_lse(logits, temperature, chunk_tokens, logprob)  # (B, T), (B, T)
         ctx.save_for_backward(logits, labels, lse)  # logits is the caller's tensor, not a copy
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         return logprobs
@@ -90,16 +103,11 @@ class _Entropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, temperature: float, chunk_tokens: int) -> Tensor:
-        batch, time, _ = logits.shape
-        work = _work_dtype(logits.dtype)
-        entropy = logits.new_empty((batch, time), dtype=work)  # (B, T)
-        lse = torch.empty_like(entropy)  # (B, T)
-        for bs, ts in _chunks(batch, time, chunk_tokens):
-            z = _scaled(logits[bs, ts], work, temperature)  # (b, t, V)
-            lse_c = torch.logsumexp(z, dim=-1)  # (b, t)
+        def entropy_of(z: Tensor, lse_c: Tensor, bs: slice, ts: slice) -> Tensor:
             probs = torch.exp(z - lse_c.unsqueeze(-1))  # (b, t, V)
-            entropy[bs, ts] = lse_c - (probs * z).sum(dim=-1)  # H = lse - E_p[z]
-            lse[bs, ts] = lse_c
+            return lse_c - (probs * z).sum(dim=-1)  # H = lse - E_p[z]
+
+        entropy, lse = _per_token_with_lse(logits, temperature, chunk_tokens, entropy_of)  # (B, T), (B, T)
         ctx.save_for_backward(logits, lse)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         return entropy

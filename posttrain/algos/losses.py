@@ -81,6 +81,24 @@ def _clipped_surrogate(
     return loss
 
 
+def _token_ratio_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> LossWithMetrics:
+    """The clipped surrogate on token-level ratios r_t = exp(log pi - log pi_old), range [1 - eps_low, 1 + eps_high]
+    (PPO's is symmetric, DAPO's decoupled). Returns the per-token loss (B, T), zero outside the mask, and metrics."""
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = _per_token(advantages)
+    loss = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip) * mask  # (B, T)
+    return loss, _ratio_metrics(ratio.detach(), log_ratio.detach(), adv, mask, eps_low, eps_high)
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -100,11 +118,7 @@ def ppo_clip_loss(
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    adv = _per_token(advantages)
-    loss = _clipped_surrogate(ratio, adv, clip_eps, clip_eps, dual_clip) * mask  # (B, T)
-    return loss, _ratio_metrics(ratio.detach(), log_ratio.detach(), adv, mask, clip_eps, clip_eps)
+    return _token_ratio_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, dual_clip)
 
 
 def dapo_loss(
@@ -124,11 +138,7 @@ def dapo_loss(
     Defaults are the paper's (0.2, 0.28). Aggregate with token-mean, as DAPO does.
     Returns the per-token loss (B, T), zero outside the mask, and metrics.
     """
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    adv = _per_token(advantages)
-    loss = _clipped_surrogate(ratio, adv, clip_eps_low, clip_eps_high, dual_clip) * mask  # (B, T)
-    return loss, _ratio_metrics(ratio.detach(), log_ratio.detach(), adv, mask, clip_eps_low, clip_eps_high)
+    return _token_ratio_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, dual_clip)
 
 
 def gspo_loss(

@@ -30,6 +30,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
 
 
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    """`--json`: the command prints its result as one JSON object instead of text."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def add_out_arguments(parser: argparse.ArgumentParser) -> None:
     """`--out DIR` and `--force` of a command that writes one model directory (convert, quantize, lora-merge)."""
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")

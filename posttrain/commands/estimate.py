@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 
+from posttrain.commands.common import add_json_argument
 from posttrain.errors import PosttrainError
 from posttrain.estimate import ALL_LINEARS, DEVICES, Architecture, TrainingSetup, estimate_memory, estimate_time
 from posttrain.estimate.compute import device_kind
@@ -155,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="runtime overhead, e.g. 300MiB (default: the device's; 0 to leave it out)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
 
 
 def architecture(args: argparse.Namespace) -> tuple[Architecture, str]:

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_json_argument, add_model_arguments
 from posttrain.commands.eval_episodes import episodes_accuracy_run
 from posttrain.commands.eval_generation import accuracy_arguments, accuracy_run, em_f1_arguments, em_f1_run
 from posttrain.commands.eval_preference import preference_arguments, preference_run
@@ -44,7 +44,7 @@ def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-length", type=int, default=1024, help="tokens per row, longer rows are cut (default 1024)"
     )
     parser.add_argument("--batch-size", type=int, default=8, help="rows the engine prefills together (default 8)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
 
 
 def _ppl_run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_json_argument, add_model_arguments
 from posttrain.errors import PosttrainError
 
 # --max-tokens when not given: a two-digit sum needs a few tokens, a GSM8K solution a few hundred.
@@ -78,7 +78,7 @@ def _generation_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write the first samples (prompt, completion, score) to this JSONL file",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
 
 
 def _sampling(args: argparse.Namespace, task: str | None) -> Any:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from posttrain.commands.common import add_json_argument
 from posttrain.errors import PosttrainError
 
 
@@ -49,7 +50,7 @@ def preference_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)"
     )
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
 
 
 def _data_options(args: argparse.Namespace) -> dict[str, Any]:

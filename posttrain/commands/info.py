@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_json_argument, add_model_arguments
 from posttrain.hardware import report as cpu_report
 from posttrain.models.checkpoint_io import parse_dtype, read_hf_config
 from posttrain.models.config import ModelConfig
@@ -84,7 +84,7 @@ def _human(n: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
     parser.add_argument(
         "--config-only",
         action="store_true",

@@ -114,16 +114,23 @@ def _is_extra_layer(cfg: ModelConfig, hf_name: str) -> bool:
     )
 
 
+def read_json_object(file: Path, missing: str) -> dict[str, Any]:
+    """The JSON object in `file`; a CheckpointError saying `missing` when there is no such file, or naming the
+    file when it is not JSON or not an object."""
+    if not file.is_file():
+        raise CheckpointError(missing)
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: top level must be a JSON object")
+    return value
+
+
 def read_hf_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path}: no config.json (expected an HF model directory)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{config_file}: top level must be a JSON object")
+    hf = read_json_object(config_file, f"{path}: no config.json (expected an HF model directory)")
     return ModelConfig.from_hf(hf, source=str(config_file))
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from posttrain.errors import CheckpointError, PosttrainError
-from posttrain.models.checkpoint_io import hf_to_ours, write_dir_atomically
+from posttrain.models.checkpoint_io import hf_to_ours, read_json_object, write_dir_atomically
 from posttrain.peft.lora import (
     DEFAULT_ADAPTER,
     active_adapter,
@@ -147,14 +147,7 @@ def read_adapter_config(adapter_dir: str | Path) -> AdapterSpec:
     path = Path(adapter_dir) / ADAPTER_CONFIG
     if not Path(adapter_dir).is_dir():
         raise CheckpointError(f"{adapter_dir}: no such adapter directory")
-    if not path.is_file():
-        raise CheckpointError(f"{adapter_dir}: no {ADAPTER_CONFIG} (expected a PEFT adapter directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: top level must be a JSON object")
+    cfg = read_json_object(path, f"{adapter_dir}: no {ADAPTER_CONFIG} (expected a PEFT adapter directory)")
 
     def fail(key: str, message: str) -> NoReturn:
         raise CheckpointError(f"{path}: {key}={json.dumps(cfg.get(key))} {message}")

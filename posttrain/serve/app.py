@@ -247,16 +247,9 @@ class _Handlers:
                         prompt_logprobs=self._prompt_logprobs(req, finals[index]),
                     )
                 )
+        usage = render.usage(prompt_tokens, completion_tokens)
         return JSONResponse(
-            dump(
-                CompletionResponse(
-                    id=request_id,
-                    created=int(time.time()),
-                    model=served.name,
-                    choices=choices,
-                    usage=render.usage(prompt_tokens, completion_tokens),
-                )
-            )
+            _response_body(CompletionResponse, request_id, int(time.time()), served.name, choices, usage=usage)
         )
 
     def _choice_logprobs(self, req: CompletionRequest, request: Any, out: Any, echoed: str) -> Any:
@@ -325,23 +318,12 @@ class _Handlers:
                             logprobs=logprobs,
                             finish_reason=delta.finish_reason,
                         )
-                        yield render.sse(
-                            dump(CompletionResponse(id=request_id, created=created, model=req.model, choices=[choice]))
-                        )
+                        yield render.sse(_response_body(CompletionResponse, request_id, created, req.model, [choice]))
             except (EngineDeadError, PosttrainError) as error:
                 yield render.sse(error_body(str(error), type="internal_error"))
         if include_usage:
-            yield render.sse(
-                dump(
-                    CompletionResponse(
-                        id=request_id,
-                        created=created,
-                        model=req.model,
-                        choices=[],
-                        usage=render.usage(prompt_tokens, completion_tokens),
-                    )
-                )
-            )
+            usage = render.usage(prompt_tokens, completion_tokens)
+            yield render.sse(_response_body(CompletionResponse, request_id, created, req.model, [], usage=usage))
         yield render.SSE_DONE
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
@@ -386,19 +368,17 @@ class _Handlers:
                     token_ids=list(out.token_ids) if req.return_token_ids else None,
                 )
             )
-        return JSONResponse(
-            dump(
-                ChatCompletionResponse(
-                    id=request_id,
-                    created=int(time.time()),
-                    model=served.name,
-                    choices=choices,
-                    usage=render.usage(len(prompt), completion_tokens),
-                    prompt_logprobs=self._prompt_logprobs(req, finals[0]),
-                    prompt_token_ids=list(finals[0].prompt_token_ids) if req.return_token_ids else None,
-                )
-            )
+        body = _response_body(
+            ChatCompletionResponse,
+            request_id,
+            int(time.time()),
+            served.name,
+            choices,
+            usage=render.usage(len(prompt), completion_tokens),
+            prompt_logprobs=self._prompt_logprobs(req, finals[0]),
+            prompt_token_ids=list(finals[0].prompt_token_ids) if req.return_token_ids else None,
         )
+        return JSONResponse(body)
 
     def _chat_prompt(self, req: ChatCompletionRequest, plan: tools.RequestTools) -> list[int]:
         messages = tools.template_messages(req.messages)
@@ -423,15 +403,16 @@ class _Handlers:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Any = None, prompt_token_ids: Any = None) -> bytes:
-            body = ChatCompletionChunk(
-                id=request_id,
-                created=created,
-                model=req.model,
-                choices=choices,
+            body = _response_body(
+                ChatCompletionChunk,
+                request_id,
+                created,
+                req.model,
+                choices,
                 usage=usage,
                 prompt_token_ids=prompt_token_ids,
             )
-            return render.sse(dump(body))
+            return render.sse(body)
 
         trackers = [render.DeltaTracker(params.stop) for _ in range(req.n)]
         readers = [tools.ToolCallReader(self.tool_calling) for _ in range(req.n)] if plan.parse else None
@@ -499,6 +480,13 @@ def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> No
             "prompt_logprobs is not supported with stream=true; send the request without stream",
             param="prompt_logprobs",
         )
+
+
+def _response_body(
+    kind: type[BaseModel], request_id: str, created: int, model: str, choices: list[Any], **fields: Any
+) -> dict[str, Any]:
+    """A completion response or stream chunk of the class `kind`, as the JSON object it is sent as."""
+    return dump(kind(id=request_id, created=created, model=model, choices=choices, **fields))
 
 
 def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:

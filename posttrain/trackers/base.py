@@ -25,7 +25,8 @@ Metrics = Mapping[str, Any]  # metric name -> float | int | bool | str | None; n
 
 class Tracker(Protocol):
     """One experiment tracker. `name` is the `log.report_to` entry, `package` the module to import and
-    `extra` the posttrain extra that installs it."""
+    `extra` the posttrain extra that installs it (`registry.register` gives an adapter its name for those it
+    leaves out)."""
 
     name: ClassVar[str]
     package: ClassVar[str]
@@ -46,14 +47,15 @@ def not_installed(name: str, package: str, extra: str, asked_by: str | None = No
     return f"{asked_by} but the {package} package is not installed: pip install 'posttrain[{extra}]'"
 
 
-def import_or_fail(module: str, name: str, package: str, extra: str) -> Any:
-    """`importlib.import_module(module)`, or the one-line PosttrainError naming the extra to install."""
+def import_library(tracker: Tracker, module: str) -> Any:
+    """`importlib.import_module(module)`, a module of `tracker`'s library, or the one-line PosttrainError naming
+    the extra to install."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise PosttrainError(not_installed(name, package, extra)) from None
+        raise PosttrainError(not_installed(tracker.name, tracker.package, tracker.extra)) from None
 
 
 def numbers(metrics: Metrics) -> Iterator[tuple[str, float]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from posttrain.trackers.base import Metrics, flat_params, import_or_fail, numbers
+from posttrain.trackers.base import Metrics, flat_params, import_library, numbers
 from posttrain.trackers.registry import register
 
 # MLflow refuses names with other characters, names a path normalization would change (`a//b`, `/a`, `a/./b`),
@@ -42,9 +42,7 @@ def _is_file_store(uri: str) -> bool:
 
 @register
 class MlflowTracker:
-    name = "mlflow"
-    package = "mlflow"
-    extra = "mlflow"
+    name = "mlflow"  # also its package and its posttrain extra
 
     def __init__(self, project: str) -> None:
         self.project = project
@@ -54,8 +52,8 @@ class MlflowTracker:
         self._file_store = False
 
     def open(self, run_name: str, config: Mapping[str, Any], run_dir: Path) -> None:
-        tracking = import_or_fail("mlflow.tracking", self.name, self.package, self.extra)
-        self._entities = import_or_fail("mlflow.entities", self.name, self.package, self.extra)
+        tracking = import_library(self, "mlflow.tracking")
+        self._entities = import_library(self, "mlflow.entities")
         uri = tracking.get_tracking_uri()  # MLFLOW_TRACKING_URI, or MLflow's default
         client = tracking.MlflowClient(tracking_uri=uri)
         self._file_store = _is_file_store(uri)

@@ -23,10 +23,15 @@ T = TypeVar("T")
 
 
 def register(cls: type[T]) -> type[T]:
-    """Class decorator: make an adapter choosable as `log.report_to: [<cls.name>]`."""
+    """Class decorator: make an adapter choosable as `log.report_to: [<cls.name>]`. `package` (the module
+    `check_installed` looks for) and `extra` (the posttrain extra that installs it) default to the adapter's name
+    when the class leaves them out."""
     name = cls.name  # type: ignore[attr-defined]
     if name in TRACKERS or name == NONE:
         raise ValueError(f"tracker name {name!r} is taken")
+    for attribute in ("package", "extra"):
+        if not hasattr(cls, attribute):
+            setattr(cls, attribute, name)
     TRACKERS[name] = cls  # type: ignore[assignment]
     return cls
 

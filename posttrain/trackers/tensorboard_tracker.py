@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posttrain.trackers.base import Metrics, import_or_fail, numbers
+from posttrain.trackers.base import Metrics, import_library, numbers
 from posttrain.trackers.registry import register
 
 TENSORBOARD_DIR = "tensorboard"
@@ -14,15 +14,13 @@ TENSORBOARD_DIR = "tensorboard"
 
 @register
 class TensorBoardTracker:
-    name = "tensorboard"
-    package = "tensorboard"
-    extra = "tensorboard"
+    name = "tensorboard"  # also its package and its posttrain extra
 
     def __init__(self, project: str) -> None:
         self._writer: Any = None  # the run directory names the run; TensorBoard has no project
 
     def open(self, run_name: str, config: Mapping[str, Any], run_dir: Path) -> None:
-        module = import_or_fail("torch.utils.tensorboard", self.name, self.package, self.extra)
+        module = import_library(self, "torch.utils.tensorboard")
         self._writer = module.SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
 
     def log(self, metrics: Metrics, step: int) -> None:

@@ -9,15 +9,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posttrain.trackers.base import Metrics, import_or_fail
+from posttrain.trackers.base import Metrics, import_library
 from posttrain.trackers.registry import register
 
 
 @register
 class TrackioTracker:
-    name = "trackio"
-    package = "trackio"
-    extra = "trackio"
+    name = "trackio"  # also its package and its posttrain extra
 
     def __init__(self, project: str) -> None:
         self.project = project
@@ -25,7 +23,7 @@ class TrackioTracker:
         self._run: Any = None
 
     def open(self, run_name: str, config: Mapping[str, Any], run_dir: Path) -> None:
-        self._trackio = trackio = import_or_fail("trackio", self.name, self.package, self.extra)
+        self._trackio = trackio = import_library(self, "trackio")
         # No notebook embedding, and no system metrics of its own: the run logs what metrics.jsonl gets. Trackio
         # announces itself on stdout, where the commands print only the run directory: its lines go to stderr.
         with contextlib.redirect_stdout(sys.stderr):

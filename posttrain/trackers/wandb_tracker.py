@@ -9,22 +9,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posttrain.trackers.base import Metrics, import_or_fail
+from posttrain.trackers.base import Metrics, import_library
 from posttrain.trackers.registry import register
 
 
 @register
 class WandbTracker:
-    name = "wandb"
-    package = "wandb"
-    extra = "wandb"
+    name = "wandb"  # also its package and its posttrain extra
 
     def __init__(self, project: str) -> None:
         self.project = project
         self._run: Any = None
 
     def open(self, run_name: str, config: Mapping[str, Any], run_dir: Path) -> None:
-        wandb = import_or_fail("wandb", self.name, self.package, self.extra)
+        wandb = import_library(self, "wandb")
         # dir=: W&B writes `<dir>/wandb/`; the run directory keeps it with the run's other files.
         self._run = wandb.init(project=self.project, name=run_name, config=dict(config), dir=str(run_dir))
 

@@ -21,7 +21,6 @@ engine samples on-policy completions from the student with its adapters on.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -34,16 +33,15 @@ import torch
 
 from posttrain.algos.distill import DISTILL_LOSSES
 from posttrain.checkpoint.resume import open_run
-from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
 from posttrain.data.dataset import build_sft_rows, split_holdout
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
-from posttrain.distributed.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.distributed.env import all_reduce_count, reduce_metrics
 from posttrain.distributed.parallel import Parallel
-from posttrain.distributed.processes import join_processes, main_metrics
+from posttrain.distributed.processes import join_processes
 from posttrain.engine import LLM, EngineConfig, SamplingParams
 from posttrain.errors import PosttrainError
 from posttrain.models.hub import load_model
@@ -52,11 +50,12 @@ from posttrain.peft import LoraConfig
 from posttrain.rollout.collect import prompt_seed_base
 from posttrain.rollout.generate import EngineCall
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir, save_final_parallel
+from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_parallel
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
-from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.lifecycle import open_checkpointer, pad_token_id, train_and_evaluate, write_data_report
+from posttrain.trainers.loop import batch_stream, seed_everything
+from posttrain.trainers.optim import optimizer_for, optimizer_step
+from posttrain.trainers.schedule import scheduler_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 
 logger = logging.getLogger("posttrain.trainers")
@@ -224,9 +223,7 @@ def train_distill(cfg: DistillConfig) -> Path:
     )
     check_shared_vocab(student, tokenizer, teacher, teacher_tok, cfg.model.name_or_path, cfg.teacher.name_or_path)
     teacher.eval().requires_grad_(False)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    pad_id = pad_token_id(tokenizer, cfg.model.name_or_path)
 
     loaded = build_sft_rows(cfg.data, tokenizer)
     report: dict[str, Any] = {
@@ -251,15 +248,11 @@ def train_distill(cfg: DistillConfig) -> Path:
         report["prompts"] = len(prompts)
 
     train_cfg, optim_cfg = cfg.train, cfg.optim
-    per_step = train_cfg.batch_size * train_cfg.grad_accum
     units = len(prompts) if cfg.mode == "on_policy" else len(rows)
-    max_steps = train_cfg.max_steps or steps_for_epochs(units, train_cfg.epochs, per_step)
+    max_steps = train_cfg.total_steps(units)
     start = open_run("distill", cfg)
     run_dir = start.run_dir
-    if is_main():
-        (run_dir / "data_report.json").write_text(
-            json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
+    write_data_report(run_dir, report)
     logger.info(
         "distill (%s, %s): %d %s, %d held-out rows; %d steps of %d; run dir %s",
         cfg.loss,
@@ -268,7 +261,7 @@ def train_distill(cfg: DistillConfig) -> Path:
         "prompts" if cfg.mode == "on_policy" else "rows",
         len(eval_rows),
         max_steps,
-        per_step,
+        train_cfg.items_per_step,
         run_dir,
     )
 
@@ -277,14 +270,8 @@ def train_distill(cfg: DistillConfig) -> Path:
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
     parallel = Parallel(student, cfg.dist, ctx, compute_dtype=model_section.autocast_dtype(student))
     parallel.check_divides("train.batch_size", train_cfg.batch_size)
-    optimizer = build_optimizer(student, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
-    scheduler = build_scheduler(
-        optimizer,
-        total_steps=max_steps,
-        schedule=optim_cfg.schedule,
-        min_lr_ratio=optim_cfg.min_lr_ratio,
-        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
-    )
+    optimizer = optimizer_for(student, optim_cfg)
+    scheduler = scheduler_for(optimizer, optim_cfg, max_steps)
     kwargs = cfg.loss_kwargs()
     llm: LLM | None = None
     if cfg.mode == "on_policy":
@@ -344,46 +331,19 @@ def train_distill(cfg: DistillConfig) -> Path:
         return {**out, "grad_norm": grad_norm, "loss_tokens": targets, "skipped_updates": guard.total}
 
     # On-policy samples draw from torch's generator, which the checkpoint restores with the rest.
-    checkpointer = Checkpointer(
-        "distill",
-        run_dir,
-        student,
-        tokenizer,
-        cfg.model.name_or_path,
-        optimizer,
-        scheduler,
-        state={"data": stream, "faults": guard},
-        keep_last=train_cfg.keep_checkpoints,
-        parallel=parallel,
+    state = {"data": stream, "faults": guard}
+    checkpointer, start_step = open_checkpointer(
+        "distill", cfg, start, student, tokenizer, optimizer, scheduler, parallel, state=state
     )
-    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     wrapped = parallel if parallel.wrapped is not None else None
     eval_fn = (lambda: evaluate_divergence(student, teacher, eval_rows, cfg, pad_id, wrapped)) if eval_rows else None
-    with main_metrics(run_dir, cfg) as metrics:
-        if eval_fn is not None and start_step == 0:
-            before = eval_fn()
-            if metrics is not None:
-                metrics.log(0, before)
-            logger.info("distill: held-out %s before training %.4f", cfg.loss, before["eval_loss"])
-        last = run_steps(
-            step_fn,
-            max_steps=max_steps,
-            optimizer=optimizer,
-            metrics=metrics,
-            log_every=train_cfg.log_every,
-            save_every=train_cfg.save_every,
-            eval_every=train_cfg.eval_every,
-            eval_fn=eval_fn,
-            save_fn=checkpointer.save,
-            start_step=start_step,
-            progress=train_cfg.progress and is_main(),
-            desc=f"distill[{cfg.loss}]",
-        )
-        if eval_fn is not None:
-            logger.info("distill: held-out %s after training %.4f", cfg.loss, last["eval_loss"])
+
+    def held_out(when: str, record: dict[str, float]) -> None:
+        logger.info("distill: held-out %s %s training %.4f", cfg.loss, when, record["eval_loss"])
+
+    train_and_evaluate(
+        cfg, step_fn, checkpointer, start_step, max_steps, eval_fn, desc=f"distill[{cfg.loss}]", report=held_out
+    )
     student.eval()
-    if parallel.wrapped is not None:
-        save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
-    else:
-        save_final_dir(student, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     return run_dir

@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from posttrain.trainers.sections import OptimSection
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -46,6 +50,11 @@ def build_optimizer(
     fused = all(p.device.type in FUSED_DEVICE_TYPES and p.is_floating_point() for p in params)
     impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **impl)
+
+
+def optimizer_for(model: nn.Module, optim: OptimSection) -> torch.optim.AdamW:
+    """`build_optimizer` with an `optim:` section's rate, weight decay, betas and eps."""
+    return build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
 
 
 def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None) -> float:

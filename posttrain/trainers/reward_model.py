@@ -17,7 +17,6 @@ Chosen and rejected sequences of a micro-batch go through one forward (2B right-
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -28,24 +27,23 @@ from torch import nn
 
 from posttrain.algos.reward import bradley_terry_loss
 from posttrain.checkpoint.resume import open_run
-from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import collate
 from posttrain.data.config import DataConfig
 from posttrain.data.preference_pairs import PairRow, load_pairs
-from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
 from posttrain.distributed.env import all_reduce_count, barrier, is_main, reduce_metrics
 from posttrain.distributed.parallel import Parallel, run_module
-from posttrain.distributed.processes import join_processes, main_metrics
+from posttrain.distributed.processes import join_processes
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import save_score_head, tokenize_pair_for_scoring
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_parallel
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
-from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.lifecycle import open_checkpointer, pad_token_id, train_and_evaluate, write_data_report
+from posttrain.trainers.loop import batch_stream, seed_everything
+from posttrain.trainers.optim import optimizer_for, optimizer_step
+from posttrain.trainers.schedule import scheduler_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 
 logger = logging.getLogger("posttrain.trainers")
@@ -132,15 +130,12 @@ def train_reward_model(cfg: RMConfig) -> Path:
     seed_everything(cfg.train.seed)
     ctx, model_section = join_processes(cfg.dist, cfg.model)
     trunk, tokenizer = load_trainable(model_section, lora=cfg.lora, quant=cfg.quant)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    pad_id = pad_token_id(tokenizer, cfg.model.name_or_path)
     data = load_pairs(cfg.data, tokenizer, cfg.train.seed, tokenize=tokenize_pair_for_scoring)
     # The head is made after the adapters: apply_lora freezes every parameter it finds, and the head must train.
     rm = RewardModel(trunk, new_score_head(trunk.config.hidden_size, trunk.device)).train()
     train_cfg, optim_cfg = cfg.train, cfg.optim
-    per_step = train_cfg.batch_size * train_cfg.grad_accum
-    max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
+    max_steps = train_cfg.total_steps(len(data.train))
     # The head's gradients are reduced with the trunk's; the trunk's LM head (untied) never gets one.
     tied = trunk.lm_head.weight is trunk.embed_tokens.weight
     parallel = Parallel(
@@ -154,28 +149,19 @@ def train_reward_model(cfg: RMConfig) -> Path:
     parallel.check_divides("train.batch_size", cfg.train.batch_size)
     start = open_run("rm", cfg)
     run_dir = start.run_dir
-    if is_main():
-        (run_dir / "data_report.json").write_text(
-            json.dumps(data.report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
+    write_data_report(run_dir, data.report)
     logger.info(
         "rm: %d train / %d held-out pairs of %s; %d steps of %d pairs; run dir %s",
         len(data.train),
         len(data.eval),
         data.report["format"],
         max_steps,
-        per_step,
+        train_cfg.items_per_step,
         run_dir,
     )
 
-    optimizer = build_optimizer(rm, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
-    scheduler = build_scheduler(
-        optimizer,
-        total_steps=max_steps,
-        schedule=optim_cfg.schedule,
-        min_lr_ratio=optim_cfg.min_lr_ratio,
-        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
-    )
+    optimizer = optimizer_for(rm, optim_cfg)
+    scheduler = scheduler_for(optimizer, optim_cfg, max_steps)
     stream = batch_stream(data.train, train_cfg.batch_size, seed=train_cfg.seed)
     guard = BadStepGuard(train_cfg.max_bad_steps)
 
@@ -206,46 +192,25 @@ def train_reward_model(cfg: RMConfig) -> Path:
 
     # A checkpoint is a reward-model directory too (score.safetensors beside the trunk); the head is also in
     # modules.safetensors, which the resume reads.
-    checkpointer = Checkpointer(
+    checkpointer, start_step = open_checkpointer(
         "rm",
-        run_dir,
+        cfg,
+        start,
         trunk,
         tokenizer,
-        cfg.model.name_or_path,
         optimizer,
         scheduler,
-        modules={"head": rm.head},
+        parallel,
         state={"data": stream, "faults": guard},
-        keep_last=train_cfg.keep_checkpoints,
+        modules={"head": rm.head},
         write_extras=lambda d: save_score_head(rm.head, d),
-        parallel=parallel,
     )
-    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = (lambda: evaluate_rm(rm, data.eval, train_cfg.batch_size, pad_id, through)) if data.eval else None
-    with main_metrics(run_dir, cfg) as metrics:
-        if eval_fn is not None and start_step == 0:
-            before = eval_fn()  # every rank scores all held-out pairs: the same figures everywhere
-            if metrics is not None:
-                metrics.log(0, before)
-            logger.info(
-                "rm: held-out accuracy before training %.3f (%d pairs)", before["eval_accuracy"], len(data.eval)
-            )
-        last = run_steps(
-            step_fn,
-            max_steps=max_steps,
-            optimizer=optimizer,
-            metrics=metrics,
-            log_every=train_cfg.log_every,
-            save_every=train_cfg.save_every,
-            eval_every=train_cfg.eval_every,
-            eval_fn=eval_fn,
-            save_fn=checkpointer.save,
-            start_step=start_step,
-            progress=train_cfg.progress and is_main(),
-            desc="rm",
-        )
-        if eval_fn is not None:
-            logger.info("rm: held-out accuracy after training %.3f", last["eval_accuracy"])
+
+    def held_out(when: str, record: dict[str, float]) -> None:  # every rank scores all held-out pairs
+        logger.info("rm: held-out accuracy %s training %.3f (%d pairs)", when, record["eval_accuracy"], len(data.eval))
+
+    train_and_evaluate(cfg, step_fn, checkpointer, start_step, max_steps, eval_fn, desc="rm", report=held_out)
     rm.eval()
     final = save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     head = parallel.whole(rm.head)  # fsdp2: gathered on rank 0; ddp: every rank holds the same head

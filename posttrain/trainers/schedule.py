@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -49,3 +50,25 @@ def build_scheduler(
         lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+class ScheduleFields(Protocol):
+    """What `scheduler_for` reads of an `optim:` section (`sections.OptimSection`, which imports this module)."""
+
+    schedule: str
+    min_lr_ratio: float
+    warmup_steps: int
+    warmup_ratio: float
+
+
+def scheduler_for(
+    optimizer: torch.optim.Optimizer, optim: ScheduleFields, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """`build_scheduler` with an `optim:` section's schedule, floor and warmup (steps, or a ratio of the total)."""
+    return build_scheduler(
+        optimizer,
+        total_steps=total_steps,
+        schedule=optim.schedule,
+        min_lr_ratio=optim.min_lr_ratio,
+        warmup_steps=warmup_steps_for(total_steps, optim.warmup_steps, optim.warmup_ratio),
+    )

@@ -17,6 +17,7 @@ from posttrain.models.checkpoint_io import DTYPES
 from posttrain.models.hub import DEFAULT_MODEL
 from posttrain.models.transformer import Transformer
 from posttrain.trackers import check_installed, resolve_report_to
+from posttrain.trainers.loop import steps_for_epochs
 from posttrain.trainers.schedule import SCHEDULES
 
 logger = logging.getLogger("posttrain.trainers")
@@ -121,6 +122,15 @@ class TrainSection:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 or null, got {self.keep_checkpoints}")
+
+    @property
+    def items_per_step(self) -> int:
+        """Rows (pairs, prompts) per optimizer step, over every rank."""
+        return self.batch_size * self.grad_accum
+
+    def total_steps(self, num_items: int) -> int:
+        """The run's optimizer steps: `max_steps`, or what `epochs` passes over `num_items` items take."""
+        return self.max_steps or steps_for_epochs(num_items, self.epochs, self.items_per_step)
 
 
 @dataclass

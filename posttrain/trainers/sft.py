@@ -15,7 +15,6 @@ so the trunk computes few padding tokens. Neither changes the update.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,20 +33,20 @@ from posttrain.data.config import DataConfig
 from posttrain.data.dataset import build_sft_rows, split_holdout
 from posttrain.data.packing import PackedRow, pack_best_fit
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedRow
-from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
-from posttrain.distributed.env import all_reduce_count, is_main, reduce_metrics
+from posttrain.distributed.env import all_reduce_count, reduce_metrics
 from posttrain.distributed.parallel import Parallel
-from posttrain.distributed.processes import join_processes, main_metrics
+from posttrain.distributed.processes import join_processes
 from posttrain.models.moe import add_router_loss
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.adapters import check_adapter_options, load_trainable, save_final_dir, save_final_parallel
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
-from posttrain.trainers.optim import build_optimizer, optimizer_step
-from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.lifecycle import open_checkpointer, pad_token_id, train_and_evaluate, write_data_report
+from posttrain.trainers.loop import batch_stream, seed_everything
+from posttrain.trainers.optim import optimizer_for, optimizer_step
+from posttrain.trainers.schedule import scheduler_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 
 logger = logging.getLogger("posttrain.trainers")
@@ -183,10 +182,6 @@ def load_sft_data(cfg: SFTConfig, tokenizer: Any) -> tuple[list[Unit], list[Unit
     return list(rows), list(eval_rows), report
 
 
-def _write_report(run_dir: Path, report: dict[str, Any]) -> None:
-    (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 @dataclass
 class SFTSession:
     """A prepared run: the model, data and optimizer, and `step(i)`, which does optimizer step i.
@@ -218,17 +213,13 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
     parallel = Parallel(model, cfg.dist, ctx, compute_dtype=model_section.autocast_dtype(model))
     parallel.check_divides("train.batch_size", cfg.train.batch_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    pad_id = pad_token_id(tokenizer, cfg.model.name_or_path)
     units, eval_units, report = load_sft_data(cfg, tokenizer)
     train_cfg, optim_cfg = cfg.train, cfg.optim
-    per_step = train_cfg.batch_size * train_cfg.grad_accum
-    max_steps = train_cfg.max_steps or steps_for_epochs(len(units), train_cfg.epochs, per_step)
+    max_steps = train_cfg.total_steps(len(units))
     start = open_run("sft", cfg)
     run_dir = start.run_dir
-    if is_main():
-        _write_report(run_dir, report)
+    write_data_report(run_dir, report)
     logger.info(
         "sft: %d rows of %s (%d bad, skipped) -> %d %s; %d steps of %d; run dir %s",
         report["rows_kept"],
@@ -237,18 +228,12 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
         len(units),
         "packed rows" if cfg.data.packing else "rows",
         max_steps,
-        per_step,
+        train_cfg.items_per_step,
         run_dir,
     )
 
-    optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
-    scheduler = build_scheduler(
-        optimizer,
-        total_steps=max_steps,
-        schedule=optim_cfg.schedule,
-        min_lr_ratio=optim_cfg.min_lr_ratio,
-        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
-    )
+    optimizer = optimizer_for(model, optim_cfg)
+    scheduler = scheduler_for(optimizer, optim_cfg, max_steps)
     stream = batch_stream(units, train_cfg.batch_size, seed=train_cfg.seed)
     guard = BadStepGuard(train_cfg.max_bad_steps)
     device = model.device
@@ -286,19 +271,10 @@ def start_sft(cfg: SFTConfig) -> SFTSession:
         if eval_units
         else None
     )
-    checkpointer = Checkpointer(
-        "sft",
-        run_dir,
-        model,
-        tokenizer,
-        cfg.model.name_or_path,
-        optimizer,
-        scheduler,
-        state={"data": stream, "faults": guard},
-        keep_last=train_cfg.keep_checkpoints,
-        parallel=parallel,
+    state = {"data": stream, "faults": guard}
+    checkpointer, start_step = open_checkpointer(
+        "sft", cfg, start, model, tokenizer, optimizer, scheduler, parallel, state=state
     )
-    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     return SFTSession(
         model,
         tokenizer,
@@ -320,22 +296,9 @@ def train_sft(cfg: SFTConfig) -> Path:
     data_report.json, checkpoints/, final/: an HF directory, the PEFT adapter with `lora`, or the quantized
     model with `qat`)."""
     session = start_sft(cfg)
-    train_cfg = cfg.train
-    with main_metrics(session.run_dir, cfg) as metrics:
-        run_steps(
-            session.step,
-            max_steps=session.max_steps,
-            optimizer=session.optimizer,
-            metrics=metrics,
-            log_every=train_cfg.log_every,
-            save_every=train_cfg.save_every,
-            eval_every=train_cfg.eval_every,
-            eval_fn=session.evaluate,
-            progress=train_cfg.progress and is_main(),
-            desc="sft",
-            save_fn=session.checkpointer.save,
-            start_step=session.start_step,
-        )
+    train_and_evaluate(
+        cfg, session.step, session.checkpointer, session.start_step, session.max_steps, session.evaluate, desc="sft"
+    )
     if session.parallel is not None and session.parallel.wrapped is not None:
         save_final_parallel(session.parallel, session.tokenizer, session.run_dir, base_model=cfg.model.name_or_path)
     else:

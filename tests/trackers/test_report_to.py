@@ -12,7 +12,7 @@ import pytest
 from posttrain.config import load_config
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.metrics import MetricsLogger, read_metrics
-from posttrain.trackers import TRACKERS, resolve_report_to
+from posttrain.trackers import TRACKERS, registry, resolve_report_to
 from posttrain.trackers.mlflow_tracker import mlflow_name
 from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
 from posttrain.trainers.sft import SFTConfig
@@ -83,6 +83,23 @@ def test_every_tracker_has_its_extra_in_pyproject():
     test_extra = " ".join(extras["test"])
     for needed in ("wandb", "trackio", "mlflow"):  # the offline tests of tests/trackers need the real libraries
         assert needed in test_extra, needed
+
+
+def test_register_gives_an_adapter_its_name_for_the_package_and_extra_it_leaves_out(monkeypatch):
+    monkeypatch.setattr(registry, "TRACKERS", {})  # register into a scratch registry
+
+    @registry.register
+    class Plain:
+        name = "plain"
+
+    @registry.register
+    class Own:
+        name, package, extra = "own", "own_module", "own-extra"
+
+    assert (Plain.package, Plain.extra) == ("plain", "plain")
+    assert (Own.package, Own.extra) == ("own_module", "own-extra")
+    assert registry.TRACKERS == {"plain": Plain, "own": Own}
+    assert [(cls.package, cls.extra) for cls in TRACKERS.values()] == [(name, name) for name in TRACKERS]
 
 
 class FakeTracker:

@@ -32,7 +32,6 @@ training too).
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,38 +42,33 @@ import torch
 
 from posttrain.algos.preference import PREFERENCE_LOSSES, TIE_TOLERANCE
 from posttrain.checkpoint.resume import open_run
-from posttrain.checkpoint.state import Checkpointer
 from posttrain.data.collate import Batch, collate
 from posttrain.data.config import DataConfig
 from posttrain.data.preference_pairs import PairRow, load_pairs
 from posttrain.data.validate import DataError
 from posttrain.distributed.config import DistSection
-from posttrain.distributed.env import all_gather_rows, all_reduce_count, is_main, reduce_metrics
+from posttrain.distributed.env import all_gather_rows, all_reduce_count, reduce_metrics
 from posttrain.distributed.parallel import Parallel, run_module
-from posttrain.distributed.processes import join_processes, main_metrics
+from posttrain.distributed.processes import join_processes
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.trainers.accumulate import accumulate_gradients
-from posttrain.trainers.adapters import (
-    check_adapter_options,
-    load_trainable,
-    prepare_trainable,
-    save_final_dir,
-    save_final_parallel,
-)
+from posttrain.trainers.adapters import check_adapter_options, load_trainable, prepare_trainable, save_final_parallel
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.loop import batch_stream, run_steps, seed_everything, steps_for_epochs
-from posttrain.trainers.optim import build_optimizer, optimizer_step
+from posttrain.trainers.lifecycle import open_checkpointer, pad_token_id, train_and_evaluate, write_data_report
+from posttrain.trainers.loop import batch_stream, seed_everything
+from posttrain.trainers.optim import optimizer_for, optimizer_step
 from posttrain.trainers.preference.kto import KTORun
 from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
 from posttrain.trainers.preference.reference import Reference
 from posttrain.trainers.preference.unpaired import is_unpaired, load_unpaired
-from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.schedule import scheduler_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 
 logger = logging.getLogger("posttrain.trainers")
 
 REFERENCE_FREE = ("simpo", "orpo")
+HEADLINE = {"acc": "rewards/accuracies", "margin": "rewards/margins"}  # beside the loss on the progress bar
 LOSS_OPTIONS = ("beta", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight")
 
 
@@ -311,10 +305,6 @@ class DPORun:
         return out
 
 
-def _write_report(run_dir: Path, report: dict[str, Any]) -> None:
-    (run_dir / "data_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def _held_out_summary(record: dict[str, float]) -> str:
     keys = ("eval_reward_accuracy", "eval_logp_accuracy", "eval_rewards_margins", "eval_kl")
     return ", ".join(f"{key[5:].replace('_', ' ')} {record[key]:.3f}" for key in keys if key in record)
@@ -333,9 +323,7 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         raise ValueError("train_dpo: a model passed as a module needs its tokenizer")
     else:
         prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise DataError(f"{cfg.model.name_or_path}: the tokenizer has neither a pad nor an EOS token to pad with")
+    pad_id = pad_token_id(tokenizer, cfg.model.name_or_path)
     if unpaired:
         data: Any = load_unpaired(cfg.data, tokenizer, cfg.train.seed, cfg.train.batch_size)
     else:
@@ -343,12 +331,10 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     if cfg.loss == "kto" and len(data.train) < 2:
         raise DataError("kto needs at least two training pairs")
     train_cfg, optim_cfg = cfg.train, cfg.optim
-    per_step = train_cfg.batch_size * train_cfg.grad_accum
-    max_steps = train_cfg.max_steps or steps_for_epochs(len(data.train), train_cfg.epochs, per_step)
+    max_steps = train_cfg.total_steps(len(data.train))
     start = open_run("dpo", cfg)
     run_dir = start.run_dir
-    if is_main():
-        _write_report(run_dir, data.report)
+    write_data_report(run_dir, data.report)
     unit = "rows" if unpaired else "pairs"
     logger.info(
         "dpo (%s, reference %s): %d train / %d held-out %s of %s (%d bad, skipped); %d steps of %d %s; run dir %s",
@@ -360,7 +346,7 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         data.report["format"],
         len(data.report["bad_rows"]),
         max_steps,
-        per_step,
+        train_cfg.items_per_step,
         unit,
         run_dir,
     )
@@ -376,14 +362,8 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     if parallel.wrapped is not None:
         parallel.check_divides("train.batch_size", train_cfg.batch_size)
         run.distribute(parallel)
-    optimizer = build_optimizer(model, optim_cfg.lr, optim_cfg.weight_decay, optim_cfg.betas, optim_cfg.eps)
-    scheduler = build_scheduler(
-        optimizer,
-        total_steps=max_steps,
-        schedule=optim_cfg.schedule,
-        min_lr_ratio=optim_cfg.min_lr_ratio,
-        warmup_steps=warmup_steps_for(max_steps, optim_cfg.warmup_steps, optim_cfg.warmup_ratio),
-    )
+    optimizer = optimizer_for(model, optim_cfg)
+    scheduler = scheduler_for(optimizer, optim_cfg, max_steps)
     if unpaired:
         stream = run.batch_stream(train_cfg.seed)  # fixed KTO batches: their KL rows are scored in advance
     else:
@@ -397,46 +377,26 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
         return {**out, "grad_norm": grad_norm, "skipped_updates": guard.total}
 
     # Built after the reference took the initial weights: a restore then changes only the policy.
-    checkpointer = Checkpointer(
-        "dpo",
-        run_dir,
-        model,
-        tokenizer,
-        cfg.model.name_or_path,
-        optimizer,
-        scheduler,
-        state={"data": stream, "faults": guard},
-        keep_last=train_cfg.keep_checkpoints,
-        parallel=parallel,
+    state = {"data": stream, "faults": guard}
+    checkpointer, start_step = open_checkpointer(
+        "dpo", cfg, start, model, tokenizer, optimizer, scheduler, parallel, state=state
     )
-    start_step = checkpointer.restore(start.checkpoint) if start.checkpoint is not None else 0
     eval_fn = run.evaluate if data.eval else None
-    with main_metrics(run_dir, cfg) as metrics:
-        if eval_fn is not None and start_step == 0:
-            before = eval_fn()  # every rank evaluates all held-out pairs: the same forwards, the same figures
-            if metrics is not None:
-                metrics.log(0, before)
-            logger.info("dpo: held-out before training: %s (%d %s)", _held_out_summary(before), len(data.eval), unit)
-        last = run_steps(
-            step_fn,
-            max_steps=max_steps,
-            optimizer=optimizer,
-            metrics=metrics,
-            log_every=train_cfg.log_every,
-            save_every=train_cfg.save_every,
-            eval_every=train_cfg.eval_every,
-            eval_fn=eval_fn,
-            save_fn=checkpointer.save,
-            start_step=start_step,
-            progress=train_cfg.progress and is_main(),
-            desc=f"dpo[{cfg.loss}]",
-            postfix={"acc": "rewards/accuracies", "margin": "rewards/margins"},
-        )
-        if eval_fn is not None:
-            logger.info("dpo: held-out after training: %s", _held_out_summary(last))
+
+    def held_out(when: str, record: dict[str, float]) -> None:
+        logger.info("dpo: held-out %s training: %s (%d %s)", when, _held_out_summary(record), len(data.eval), unit)
+
+    train_and_evaluate(
+        cfg,
+        step_fn,
+        checkpointer,
+        start_step,
+        max_steps,
+        eval_fn,
+        desc=f"dpo[{cfg.loss}]",
+        postfix=HEADLINE,
+        report=held_out,
+    )
     model.eval()
-    if parallel.wrapped is not None:
-        save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
-    else:
-        save_final_dir(model, tokenizer, run_dir, base_model=cfg.model.name_or_path)
+    save_final_parallel(parallel, tokenizer, run_dir, base_model=cfg.model.name_or_path)
     return run_dir

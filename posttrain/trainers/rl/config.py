@@ -12,7 +12,6 @@ any model is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,9 +19,9 @@ from typing import Any, Literal
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from posttrain.algos.importance import OffPolicyParams
 from posttrain.algos.objective import ObjectiveParams
+from posttrain.config import run_validators
 from posttrain.distributed.config import DistSection
 from posttrain.engine.config import EngineConfig
-from posttrain.errors import ConfigError
 from posttrain.peft import LoraConfig
 from posttrain.trainers.adapters import check_adapter_options
 from posttrain.trainers.rl.env_section import EnvSection
@@ -541,13 +540,4 @@ def validate_config(cfg: RLConfig) -> None:
 
 def validate_tree(cfg: Any) -> None:
     """Run every section's `validate()` (children first), as `load_config` does, for configs built in Python."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            validate_tree(value)
-    check = getattr(cfg, "validate", None)
-    if callable(check):
-        try:
-            check()
-        except ValueError as error:
-            raise ConfigError(f"{type(cfg).__name__}: {error}") from None
+    run_validators(cfg, lambda _key, section: type(section).__name__)

@@ -32,7 +32,8 @@ from posttrain.rollout.prompts import PromptSource, check_prompt_lengths, data_c
 from posttrain.rollout.scoring import OverlongShaping, reward_names
 from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
-from posttrain.trainers.optim import build_optimizer
+from posttrain.trainers.lifecycle import open_checkpointer
+from posttrain.trainers.optim import optimizer_for
 from posttrain.trainers.rl.batch import PackedGroups, packed_forward
 from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
@@ -46,7 +47,7 @@ from posttrain.trainers.rl.config import (
 )
 from posttrain.trainers.rl.env_section import episode_options
 from posttrain.trainers.rl.ppo import ValueHead, save_value_head
-from posttrain.trainers.schedule import build_scheduler, warmup_steps_for
+from posttrain.trainers.schedule import scheduler_for
 
 logger = logging.getLogger("posttrain.trainers")
 
@@ -177,7 +178,7 @@ def setup_run(
     except ValueError as error:
         raise ConfigError(str(error)) from None
     optim = cfg.optim
-    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
+    optimizer = optimizer_for(model, optim)
     if value_head is not None:  # its own group: a fresh head learns at its own (higher) rate
         optimizer.add_param_group(
             {"params": list(value_head.parameters()), "lr": cfg.ppo.value_lr or optim.lr * 100, "weight_decay": 0.0}
@@ -185,13 +186,7 @@ def setup_run(
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     batch, minibatch, _ = batch_sizes(cfg)
     total = cfg.train.max_steps * cfg.train.epochs * (batch // minibatch)  # optimizer steps
-    scheduler = build_scheduler(
-        optimizer,
-        total_steps=total,
-        schedule=optim.schedule,
-        warmup_steps=warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
-        min_lr_ratio=optim.min_lr_ratio,
-    )
+    scheduler = scheduler_for(optimizer, optim, total)
     with parallel.rollout():  # no forward: the engine sizes its KV pool from the (gathered) parameters' dtype
         llm = LLM(model=model, tokenizer=tokenizer, config=engine_config(cfg))
     params = SamplingParams(
@@ -234,22 +229,19 @@ def setup_run(
     )
     # Rollouts draw from torch's generator (unseeded requests), which the checkpoint restores; a reference
     # copy was taken above from the initial weights, before any restore.
-    run.checkpointer = Checkpointer(
+    run.checkpointer, run.start_step = open_checkpointer(
         command,
-        run_dir,
+        cfg,
+        start,
         model,
         tokenizer,
-        cfg.model.name_or_path,
         optimizer,
         scheduler,
-        modules={"value_head": value_head} if value_head is not None else {},
+        parallel,
         state={"prompts": source, "faults": run.guard, "counters": _Counters(run)},
-        keep_last=cfg.train.keep_checkpoints,
+        modules={"value_head": value_head} if value_head is not None else None,
         write_extras=(lambda d: save_value_head(value_head, d)) if value_head is not None else None,
-        parallel=parallel,
     )
-    if start.checkpoint is not None:
-        run.start_step = run.checkpointer.restore(start.checkpoint)
     return run
 
 
