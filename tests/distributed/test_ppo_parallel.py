@@ -59,22 +59,26 @@ def test_two_processes_take_the_ppo_steps_of_one(strategy, overrides, ppo_one, t
 
 def test_two_ddp_processes_drop_and_refill_ppo_groups_as_one(overrides, tmp_path):
     """DAPO's dynamic sampling inside PPO: the ranks take the refill decisions on every rank's groups (the code
-    GRPO uses), so the kept groups, the GAE advantages and the updates are the single process's."""
+    GRPO uses), so the kept groups, the GAE advantages and the updates are the single process's.
+
+    One step: its rollout (3 groups dropped, a refill round) comes before any update, so its samples are the
+    single process's exactly. A second step would sample from weights that differ by the all-reduce's rounding
+    (within adam_drift), and one token drawn at a CDF step's edge changes a sample: on an AVX2 EPYC the second
+    step's reward/mean was 0.11104 against 0.11035."""
     args = [
         *overrides,
         f"reward.functions=[{reward_file(tmp_path)}:parity_gated]",
         "dapo.dynamic_sampling=true",
         "dapo.max_refill_rounds=2",
+        "train.max_steps=1",
     ]
     one = train_ppo(load_config(PPOConfig, None, [*args, f"out={tmp_path / 'one'}"]))
     two = tmp_path / "two"
     torchrun(2, ["ppo", *args, f"out={two}", "dist.strategy=ddp"])
     got, want = read_metrics(two), read_metrics(one)
-    assert sum(r["dapo/dropped_groups"] for r in want) > 0
+    assert [r["step"] for r in want] == [1] and want[0]["dapo/dropped_groups"] > 0
     for mine, theirs in zip(got, want):
         for key in ("dapo/dropped_groups", "dapo/refill_rounds", "dapo/kept_groups", "num_samples"):
             assert mine[key] == theirs[key], (mine["step"], key)
     assert_same_steps(got, want, lr=LR, eps=EQUIVALENCE_EPS, sampled=SAMPLED, updates_per_step=UPDATES_PER_STEP)
-    assert_same_weights(
-        final_weights(two), final_weights(one), lr=LR, eps=EQUIVALENCE_EPS, updates=2 * UPDATES_PER_STEP
-    )
+    assert_same_weights(final_weights(two), final_weights(one), lr=LR, eps=EQUIVALENCE_EPS, updates=UPDATES_PER_STEP)
