@@ -120,24 +120,14 @@ def test_sft_runs_on_a_tiny_moe_and_logs_router_metrics(tmp_path: Path) -> None:
 def test_grpo_runs_on_a_tiny_moe_and_logs_router_metrics(tmp_path: Path) -> None:
     from posttrain.trainers.rl import train_grpo
     from posttrain.trainers.rl.config import GRPOConfig
-    from tests.trainers.rl_helpers import reward_file, tokenizer
+    from tests.trainers.rl_helpers import rl_overrides, tokenizer
 
     tok = tokenizer()
     eos = sorted(getattr(tok, "eos_token_ids", []) or [2])[0]
     cfg = load_config(
         GRPOConfig,
         None,
-        [
-            f"out={tmp_path / 'grpo'}",
-            f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-            "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=4",
-            "rollout.max_tokens=6",
-            "data.eval_size=0",
-            "log.progress=false",
-            "train.max_steps=2",
-            "kl.beta=0.05",
-        ],
+        rl_overrides(tmp_path, "grpo", "train.max_steps=2", "kl.beta=0.05"),
     )
     run_dir = train_grpo(cfg, model=tiny_moe(49152, eos=eos).eval(), tokenizer=tok)
     steps = [r for r in _metrics(run_dir) if "reward/mean" in r]

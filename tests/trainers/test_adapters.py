@@ -201,25 +201,20 @@ def test_dpo_qlora_trains_with_an_int4_base(tiny, tmp_path, prepared):
 
 def test_grpo_qlora_step_with_the_quantized_base_as_reference(tmp_path):
     from posttrain.trainers.rl import rl_step, setup_run
-    from tests.trainers.rl_helpers import reward_file, tiny_model, tokenizer
+    from tests.trainers.rl_helpers import rl_overrides, tiny_model, tokenizer
 
     tok = tokenizer()
     cfg = load_config(
         GRPOConfig,
         None,
-        [
-            f"out={tmp_path / 'grpo'}",
-            f"reward.functions=[{reward_file(tmp_path)}:char_mix]",
-            "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=4",
-            "rollout.max_tokens=6",
-            "data.eval_size=0",
-            "log.progress=false",
+        rl_overrides(
+            tmp_path,
+            "grpo",
             *LORA,
             "quant=int8",
             "kl.beta=0.1",
             "optim.lr=1e-2",
-        ],
+        ),
     )
     run = setup_run(cfg, "grpo", model=tiny_model(tok), tokenizer=tok)
     assert run.reference is None and isinstance(run.model.layers[0].self_attn.v_proj.base_layer, QuantizedLinear)
