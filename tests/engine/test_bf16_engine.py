@@ -161,7 +161,10 @@ def test_the_bf16_kv_pool_takes_half_the_bytes():
     assert bf16.engine.num_blocks == 2 * fp32.engine.num_blocks  # the same byte budget holds twice the blocks
     fixed = dict(fields, kv_cache_bytes=None, num_kv_blocks=64)
     sizes = [
-        sum(c.numel() * c.element_size() for c in LLM(model, CharTokenizer(), compute_dtype=d, **fixed).engine.runner.kv_caches)
+        sum(
+            c.numel() * c.element_size()
+            for c in LLM(model, CharTokenizer(), compute_dtype=d, **fixed).engine.runner.kv_caches
+        )
         for d in ("float32", "bfloat16")
     ]
     assert sizes[1] * 2 == sizes[0]

@@ -93,4 +93,3 @@ def test_the_pytorch_path_takes_a_bf16_pool_too(monkeypatch: pytest.MonkeyPatch)
         q, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float(), _with_cache(meta, widened), 0
     )
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
-

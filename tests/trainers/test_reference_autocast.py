@@ -42,11 +42,15 @@ def _record_autocast(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
 
 @pytest.mark.parametrize("features, expected", [(ZEN5, torch.bfloat16), (AVX2, None)])
 @pytest.mark.parametrize("loss", ["sigmoid", "kto"])
-def test_the_precomputed_reference_runs_under_the_policys_autocast(tiny, tmp_path, monkeypatch, features, expected, loss):
+def test_the_precomputed_reference_runs_under_the_policys_autocast(
+    tiny, tmp_path, monkeypatch, features, expected, loss
+):
     monkeypatch.setenv(FEATURES_ENV, features)
     seen = _record_autocast(monkeypatch)
     model_dir, data = tiny
-    cfg = config(DPOConfig, model_dir, data, tmp_path / "run", "train.max_steps=1", "train.batch_size=4", f"loss={loss}")
+    cfg = config(
+        DPOConfig, model_dir, data, tmp_path / "run", "train.max_steps=1", "train.batch_size=4", f"loss={loss}"
+    )
     train_dpo(cfg)
     assert seen["reference"] and seen["policy"]
     assert set(seen["reference"]) == {expected}
