@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from posttrain.engine.linear_mode import LinearMode
 from posttrain.errors import PosttrainError
 from posttrain.hardware import auto_dtype
 
@@ -87,7 +88,7 @@ class Bf16Weights:
         return sum(entry.copy.numel() * entry.copy.element_size() for entry in self._copies.values())
 
     def scope(self) -> TorchFunctionMode:
-        return _Bf16LinearMode(self)
+        return LinearMode(self.linear)
 
     def copy_of(self, weight: torch.Tensor) -> torch.Tensor:
         """The current bf16 copy of `weight` (made, or remade when the weight changed since)."""
@@ -119,22 +120,3 @@ def _qualifies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if weight.requires_grad and torch.is_grad_enabled():
         return False
     return type(weight) in (torch.Tensor, torch.nn.Parameter)
-
-
-class _Bf16LinearMode(TorchFunctionMode):
-    """Routes F.linear through Bf16Weights; every other function runs as it would."""
-
-    def __init__(self, weights: Bf16Weights) -> None:
-        super().__init__()
-        self.weights = weights
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = self.weights.linear(x, weight, bias)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
