@@ -210,7 +210,7 @@ class LLM:
         return self.engine.compute_dtype
 
     def sleep(self) -> None:
-        """Free the KV pool (e.g. while the trainer needs the memory)."""
+        """Free the KV pool and the weight copies (e.g. while the trainer needs the memory)."""
         self.engine.sleep()
 
     def wake(self) -> None:

@@ -47,7 +47,9 @@ class _Request:
 
 class LLMEngine:
     """A continuous-batching engine over a live model module: it computes with the module's own weights (on CPU
-    through packed copies that follow every change, posttrain/engine/packed_weights.py)."""
+    through packed copies that follow every change, posttrain/engine/packed_weights.py; in bf16 over fp32 weights
+    through bf16 copies that do the same, posttrain/engine/bf16_weights.py). `compute_dtype`: what its forwards
+    compute in and its KV pool holds (EngineConfig.compute_dtype resolved)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         self.model = model
