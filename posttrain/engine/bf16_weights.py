@@ -6,7 +6,8 @@ optimizer steps it, the engine shares it); the engine computes its linear layers
 
 `resolve_compute_dtype` turns EngineConfig.compute_dtype into a torch dtype: `auto` is bf16 only over fp32 weights
 on a CPU that `posttrain.hardware` finds fast in bf16, else the weights' own dtype (so an AVX2 CPU keeps the fp32
-path bit for bit); `float32` / `bfloat16` ask for one, and only bf16 over fp32 weights differs from the weights'.
+path bit for bit); `float32` / `bfloat16` ask for one, and only bf16 over fp32 weights (CPU only) differs from the
+weights'.
 
 `Bf16Weights.scope()` is a TorchFunctionMode around the runner's forward, like packed_weights.py's: every
 `F.linear` over an fp32 weight (nn.Linear, LoRA's base and adapter layers, the LM head) runs as
@@ -53,7 +54,14 @@ def resolve_compute_dtype(setting: str, weights_dtype: torch.dtype, device: torc
         )
         return torch.bfloat16
     wanted = TORCH_DTYPES[setting]
-    if wanted == weights_dtype or (wanted == torch.bfloat16 and weights_dtype == torch.float32):
+    if wanted == weights_dtype:
+        return wanted
+    if wanted == torch.bfloat16 and weights_dtype == torch.float32:
+        if device.type != "cpu":  # the attention backends of accelerators take bf16 queries: load bf16 weights there
+            raise PosttrainError(
+                f"compute_dtype='bfloat16' over float32 weights runs on CPU only; on {device.type} load the model "
+                "in bfloat16 (dtype='bfloat16', the default there)"
+            )
         return wanted
     raise PosttrainError(
         f"compute_dtype={setting!r}: the model's weights are {str(weights_dtype).removeprefix('torch.')}; the engine "
