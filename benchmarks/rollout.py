@@ -3,12 +3,17 @@
     .venv/bin/python benchmarks/rollout.py                    # 64 prompts x n=8 x 32 new tokens
     .venv/bin/python benchmarks/rollout.py --max-tokens 128
     .venv/bin/python benchmarks/rollout.py --device cuda --cuda-graphs    # bf16 on a GPU (benchmarks/gpu_check.sh)
+    .venv/bin/python benchmarks/rollout.py --max-tokens 128 --compute-dtype float32,bfloat16 --hf-prompts 0
+        # the engine in fp32 and then in bf16 over the same fp32 weights: `bf16_over_fp32` is the tokens/s ratio
 
 Prompts: GSM8K train questions through the model's chat template. Sampling at temperature 1 with EOS
 ignored, so every sample is exactly --max-tokens long. transformers runs the same prompts (all of them by
 default; --hf-prompts K takes the first K for a quicker, rougher figure: at 128 tokens transformers made
 154 tokens/s on 16 prompts and 128 on all 64) and the two are compared in generated tokens/s.
-Also reported: the fraction of this machine's matmul rate (in the run's dtype, on its device) the engine
+--dtype is the weights' dtype (both sides); --compute-dtype the engine's EngineConfig.compute_dtype (auto: bf16
+over fp32 weights on a CPU with fast bf16, `posttrain info`), one run per comma-separated value, each reported in
+`posttrain_runs` under the dtype it resolved to (`posttrain` is the first run; `engine_compute_dtype` its dtype).
+Also reported: the fraction of this machine's matmul rate (in the engine's compute dtype, on its device) it
 reaches, counting 2 x parameters FLOP per token through the model (prefill + decode; prefix-cache hits
 excluded).
 The engine's allocator tuning (EngineConfig.tune_cpu_allocator) is process-wide, so transformers runs
@@ -96,6 +101,7 @@ def run_posttrain(model, tokenizer, prompts, n: int, max_tokens: int, params_cou
         "model_gflops": round(2 * params_count * processed / seconds / 1e9, 1),
         "kv_blocks": after["kv_blocks"],
         "attention_backend": llm.engine.attention_backend,
+        "compute_dtype": str(llm.compute_dtype).removeprefix("torch."),
     }
 
 
@@ -149,6 +155,12 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 else)")
     parser.add_argument("--cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs (CUDA only)")
     parser.add_argument("--attention-backend", default="auto", help="EngineConfig.attention_backend")
+    parser.add_argument(
+        "--compute-dtype",
+        default="auto",
+        help="EngineConfig.compute_dtype: auto | float32 | bfloat16, or several comma-separated, one engine run each "
+        "(e.g. float32,bfloat16; default: auto)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,15 +170,26 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device(args.device)
     dtype = parse_dtype(args.dtype) or default_dtype(device)
-    gflops = matmul_gflops(device, dtype)
-    log(f"{dtype} matmul on {device}: {gflops:.0f} GFLOP/s")
+    gflops = {dtype: matmul_gflops(device, dtype)}
+    log(f"{dtype} matmul on {device}: {gflops[dtype]:.0f} GFLOP/s")
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     prompts = load_prompts(args.data, args.prompts, tokenizer)
     params_count = model.num_parameters()
-    engine = dict(cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend)
-    ours = run_posttrain(model, tokenizer, prompts, args.n, args.max_tokens, params_count, **engine)
-    ours["matmul_fraction"] = round(ours["model_gflops"] / gflops, 3)
-    log(f"posttrain: {ours}")
+    runs = {}
+    for compute_dtype in args.compute_dtype.split(","):
+        engine = dict(
+            cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, compute_dtype=compute_dtype.strip()
+        )
+        run = run_posttrain(model, tokenizer, prompts, args.n, args.max_tokens, params_count, **engine)
+        run_dtype = parse_dtype(run["compute_dtype"])
+        if run_dtype not in gflops:
+            gflops[run_dtype] = matmul_gflops(device, run_dtype)
+            log(f"{run_dtype} matmul on {device}: {gflops[run_dtype]:.0f} GFLOP/s")
+        run["matmul_gflops"] = round(gflops[run_dtype], 1)
+        run["matmul_fraction"] = round(run["model_gflops"] / gflops[run_dtype], 3)
+        log(f"posttrain ({run['compute_dtype']}): {run}")
+        runs[run["compute_dtype"]] = run
+    ours = next(iter(runs.values()))
     result = {
         "benchmark": "rollout",
         "model": args.model,
@@ -178,11 +201,16 @@ def main() -> None:
         },
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "engine_compute_dtype": ours["compute_dtype"],
         "cuda_graphs": args.cuda_graphs,
         "threads": torch.get_num_threads(),
-        "matmul_gflops": round(gflops, 1),
+        "matmul_gflops": round(gflops[dtype], 1),
         "posttrain": ours,
     }
+    if len(runs) > 1:
+        result["posttrain_runs"] = runs
+    if "float32" in runs and "bfloat16" in runs:
+        result["bf16_over_fp32"] = round(runs["bfloat16"]["tokens_per_s"] / runs["float32"]["tokens_per_s"], 2)
     if args.hf_prompts:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         hf = run_transformers(

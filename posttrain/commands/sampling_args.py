@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from posttrain.engine.config import COMPUTE_DTYPES
 from posttrain.engine.sampling_params import SamplingParams
 from posttrain.errors import PosttrainError
 
@@ -19,6 +20,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--seed", type=int, default=None, help="same seed, same output")
     group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: model's)")
+    add_compute_dtype_argument(group)
+
+
+def add_compute_dtype_argument(group: argparse._ActionsContainer) -> None:
+    """--compute-dtype, EngineConfig.compute_dtype (generate, chat, serve)."""
+    group.add_argument(
+        "--compute-dtype",
+        default=None,
+        choices=COMPUTE_DTYPES,
+        help="the engine's compute dtype: auto = bf16 over fp32 weights on a CPU with fast bf16 (`posttrain info`), "
+        "else the weights' dtype (default: auto; with --dtype float32: float32)",
+    )
 
 
 def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
@@ -40,4 +53,7 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides) -> Sampling
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    fields = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if args.compute_dtype is not None:
+        fields["compute_dtype"] = args.compute_dtype
+    return fields

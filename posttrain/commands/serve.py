@@ -7,6 +7,7 @@ import os
 import sys
 
 from posttrain.commands.common import add_model_arguments
+from posttrain.commands.sampling_args import add_compute_dtype_argument
 from posttrain.errors import PosttrainError
 
 
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-bytes", type=int, default=None)
     engine.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    add_compute_dtype_argument(engine)
 
 
 def engine_config(args: argparse.Namespace):
@@ -73,11 +75,14 @@ def engine_config(args: argparse.Namespace):
             "num_kv_blocks",
             "kv_cache_bytes",
             "kv_cache_memory_fraction",
+            "compute_dtype",
         )
         if getattr(args, name) is not None
     }
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False
+    if args.dtype == "float32":  # fp32 weights asked for by name: fp32 compute too, unless --compute-dtype says
+        fields.setdefault("compute_dtype", "float32")
     if "max_num_seqs" in fields and "max_num_batched_tokens" not in fields:
         fields["max_num_batched_tokens"] = max(4096, fields["max_num_seqs"])
     return EngineConfig(**fields)

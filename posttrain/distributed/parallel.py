@@ -196,8 +196,7 @@ class Parallel:
         """The autocast every forward of the run computes under (a no-op without one)."""
         if self.compute_autocast is None:
             return contextlib.nullcontext()
-        device_type, dtype = self.compute_autocast
-        return torch.autocast(device_type, dtype=dtype)
+        return compute_scope(*self.compute_autocast)
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -281,6 +280,12 @@ class Parallel:
             raise ConfigError(
                 f"{key}={value} is the global batch; it must divide evenly over the {self.ctx.world_size} processes"
             )
+
+
+def compute_scope(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """The autocast a run with `compute_dtype=dtype` computes its forwards under (`Parallel.compute`), for passes
+    made before the Parallel exists (a precomputed reference); a no-op for None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
 def run_module(parallel: Parallel | None, module: nn.Module, fn: Callable[..., T], *args: Any) -> T:

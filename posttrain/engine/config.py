@@ -8,6 +8,8 @@ from typing import Literal
 from posttrain.engine.attention_backend import ATTENTION_BACKENDS
 from posttrain.errors import ConfigError
 
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # EngineConfig.compute_dtype's values
+
 
 class EngineConfigError(ConfigError, ValueError):
     """A bad EngineConfig value. A ValueError too, so `load_config` adds the file and line to it."""
@@ -46,6 +48,11 @@ class EngineConfig:
     # writes, the fused norm / RoPE / SwiGLU ops and the sampler's one-pass draw. False: PyTorch ops only.
     # POSTTRAIN_CPU_KERNELS=0 in the environment turns them off for the whole process, whatever this says.
     cpu_kernels: bool = True
+    # The dtype the forwards compute in (posttrain/engine/bf16_weights.py). auto: bf16 over fp32 weights on a CPU
+    # with fast bf16 (AVX512-BF16 / AMX; `posttrain info` says which), else the weights' own dtype. bfloat16 over
+    # fp32 weights: bf16 copies of the linear weights (half their fp32 bytes more) and a bf16 KV cache; norms,
+    # softmax, logits and logprobs in fp32. float32: never bf16 over fp32 weights.
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +85,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"attention_backend={self.attention_backend!r}: must be one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise EngineConfigError(f"compute_dtype={self.compute_dtype!r}: must be one of {', '.join(COMPUTE_DTYPES)}")
         for name in ("enable_prefix_caching", "cuda_graphs", "tune_cpu_allocator", "pack_cpu_weights", "cpu_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: must be true or false")

@@ -30,7 +30,10 @@ __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "Completion
 class LLM:
     """A rollout engine over one model module. `model`: a name or path for `load_model`, or a live
     `Transformer` (the engine holds it and never copies its weights: optimizer steps are seen at once;
-    call `weights_updated()` after each one). Extra keyword arguments are EngineConfig fields."""
+    call `weights_updated()` after each one). Extra keyword arguments are EngineConfig fields, e.g.
+    `compute_dtype="bfloat16"` (bf16 compute over fp32 weights; the default `auto` picks it where the CPU is fast
+    in bf16). `dtype` is the dtype of the weights a name or path loads in; dtype="float32" also means fp32 compute
+    unless compute_dtype says otherwise."""
 
     def __init__(
         self,
@@ -55,6 +58,8 @@ class LLM:
         if config is not None and config_fields:
             raise PosttrainError(f"pass either config= or EngineConfig fields ({', '.join(config_fields)}), not both")
         if config is None:
+            if dtype in ("float32", torch.float32):
+                config_fields.setdefault("compute_dtype", "float32")
             try:
                 config = EngineConfig(**config_fields)
             except TypeError as error:  # an unknown field name
@@ -200,11 +205,12 @@ class LLM:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the engine's forwards compute in: its weights' (the logprobs it returns are fp32 either way)."""
+        """The dtype the engine's forwards compute in (EngineConfig.compute_dtype resolved): the weights' own, or bf16
+        over fp32 weights. The logits and logprobs it returns are fp32 either way."""
         return self.engine.compute_dtype
 
     def sleep(self) -> None:
-        """Free the KV pool (e.g. while the trainer needs the memory)."""
+        """Free the KV pool and the weight copies (e.g. while the trainer needs the memory)."""
         self.engine.sleep()
 
     def wake(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from posttrain.engine.bf16_weights import resolve_compute_dtype
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
@@ -46,7 +47,9 @@ class _Request:
 
 class LLMEngine:
     """A continuous-batching engine over a live model module: it computes with the module's own weights (on CPU
-    through packed copies that follow every change, posttrain/engine/packed_weights.py)."""
+    through packed copies that follow every change, posttrain/engine/packed_weights.py; in bf16 over fp32 weights
+    through bf16 copies that do the same, posttrain/engine/bf16_weights.py). `compute_dtype`: what its forwards
+    compute in and its KV pool holds (EngineConfig.compute_dtype resolved)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         self.model = model
@@ -54,10 +57,12 @@ class LLMEngine:
         self.config = config or EngineConfig()
         model_cfg = model.config
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        weights = next(model.parameters())
+        self.compute_dtype = resolve_compute_dtype(self.config.compute_dtype, weights.dtype, weights.device)
         self.num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, self.config, self.num_blocks)
+        self.runner = ModelRunner(model, self.config, self.num_blocks, self.compute_dtype)
         self.eos_token_ids = self._eos_token_ids()
         self.policy_version = 0
         self.requests: dict[str, _Request] = {}
@@ -66,11 +71,6 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_processed_tokens = 0  # tokens through the model (prefill + decode), for throughput figures
         self._seed_rng = random.Random(0)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the forwards compute (and the KV cache stores) in: the module's weights'."""
-        return next(self.model.parameters()).dtype
 
     # ---- sizing -----------------------------------------------------------------------------------
 
@@ -385,7 +385,7 @@ class LLMEngine:
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
         self.runner.drop_graphs()  # captured graphs hold parameter addresses, which an update may change
-        self.runner.release_packed_weights()
+        self.runner.release_weight_copies()
         self.policy_version += 1
         return self.policy_version
 
@@ -398,6 +398,7 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         self.runner.free_kv_cache()
         self.runner.release_step_buffers()
+        self.runner.release_weight_copies()
         self.asleep = True
 
     def wake(self) -> None:

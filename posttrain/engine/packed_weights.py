@@ -29,8 +29,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from posttrain.engine.linear_mode import LinearMode
 
 MIN_ROWS = 64  # fewer rows per call: MKL's unpacked path is as fast (see above)
 
@@ -64,7 +65,7 @@ class PackedWeights:
         return sum(entry.packed is not None for entry in self._entries.values())
 
     def scope(self) -> TorchFunctionMode:
-        return _PackedLinearMode(self)
+        return LinearMode(self.linear)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """F.linear(x, weight, bias) through a packed weight, or None where this call does not qualify."""
@@ -110,23 +111,3 @@ def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):  # subclasses (quantized, DTensor) keep their op
         return False
     return bias is None or (bias.dtype == torch.float32 and bias.dim() == 1 and bias.device.type == "cpu")
-
-
-class _PackedLinearMode(TorchFunctionMode):
-    """Routes F.linear through PackedWeights; every other function runs as it would."""
-
-    def __init__(self, weights: PackedWeights) -> None:
-        super().__init__()
-        self.weights = weights
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
-        kwargs = kwargs or {}
-        if func is F.linear:
-            # F.linear(input, weight, bias=None): any of them may come by keyword
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = self.weights.linear(x, weight, bias)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)

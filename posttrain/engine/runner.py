@@ -15,6 +15,7 @@ import torch
 from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
 from posttrain.engine import packed_weights
 from posttrain.engine.attention_backend import resolve_attention_backend
+from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
@@ -58,9 +59,14 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, compute_dtype: torch.dtype | None = None
+    ) -> None:
+        """`compute_dtype`: what the forwards compute in and the KV pool holds (LLMEngine resolves
+        EngineConfig.compute_dtype); None: the weights' dtype."""
         self.model = model
         self.config = config
+        self.compute_dtype = compute_dtype or self.dtype
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] | None = None
@@ -70,7 +76,7 @@ class ModelRunner:
             set_malloc_policy("hold")  # nobody chose: the engine's policy for the whole process, as before
         # The paged-attention kernel every step runs (posttrain/engine/attention_backend.py).
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, self.dtype, self.block_size
+            config.attention_backend, self.device, self.compute_dtype, self.block_size
         )
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:
@@ -86,6 +92,8 @@ class ModelRunner:
         self.allocate_kv_cache()
         # MKL-packed weights for the CPU fp32 forward (posttrain/engine/packed_weights.py); None: plain F.linear.
         self.packed_weights = packed_weights.PackedWeights() if self._packs_weights() else None
+        # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py).
+        self.bf16_weights = Bf16Weights() if self.compute_dtype != self.dtype else None
 
     @property
     def device(self) -> torch.device:
@@ -93,7 +101,8 @@ class ModelRunner:
 
     def _packs_weights(self) -> bool:
         """CPU fp32 with MKL, and the packed copy takes at most half the memory left after the KV pool."""
-        if not (self.config.pack_cpu_weights and self.device.type == "cpu" and self.dtype == torch.float32):
+        fp32 = self.dtype == torch.float32 and self.compute_dtype == torch.float32
+        if not (self.config.pack_cpu_weights and self.device.type == "cpu" and fp32):
             return False
         copy_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.dim() == 2)
         return packed_weights.available() and 2 * copy_bytes <= free_device_memory(self.device)
@@ -136,7 +145,7 @@ class ModelRunner:
             )
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        cache = torch.empty(shape, dtype=self.compute_dtype, device=self.device)
         if cache.device.type == "cpu":  # 2 MiB pages before the first touch (posttrain.cpu_malloc)
             advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
         return cache.zero_()
@@ -242,8 +251,7 @@ class ModelRunner:
         reaches its last token (in batch order), the rows to sample from; and the step's prompt logprobs."""
         self.copy_blocks(batch.blocks_to_copy)
         inputs = self.prepare(batch)
-        packing = self.packed_weights.scope() if self.packed_weights is not None else nullcontext()
-        with packing:
+        with self._weights_scope():
             if self.graphs is not None and self.graphs.can_run(inputs.meta):
                 hidden = self.graphs.run(inputs)  # (N, d)
             else:
@@ -258,6 +266,12 @@ class ModelRunner:
                 logits = self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
         return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
 
+    def _weights_scope(self) -> AbstractContextManager:
+        """Around the forward: the linear layers through bf16 copies or MKL-packed ones, or as they are."""
+        if self.bf16_weights is not None:
+            return self.bf16_weights.scope()
+        return self.packed_weights.scope() if self.packed_weights is not None else nullcontext()
+
     def release_step_buffers(self) -> None:
         """Free what the engine keeps between steps only for speed: the attention's staged K/V and scratch
         buffers and the packed weights (the engine calls it when idle, asleep, or after a failed step)."""
@@ -268,6 +282,13 @@ class ModelRunner:
         """Drop the packed weight copies (rebuilt on demand): when the engine goes idle or the weights change."""
         if self.packed_weights is not None:
             self.packed_weights.clear()
+
+    def release_weight_copies(self) -> None:
+        """Drop the packed and the bf16 weight copies (remade on demand): when the weights change or the engine
+        sleeps. (The bf16 copies outlive idle spells: remaking them costs a pass over every weight.)"""
+        self.release_packed_weights()
+        if self.bf16_weights is not None:
+            self.bf16_weights.clear()
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: PromptRows | None, num_seqs: int

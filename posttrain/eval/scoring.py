@@ -5,7 +5,8 @@ padding, chunked prefill) and makes the LM-head logits in bounded chunks. Scored
 them, and a prompt that an earlier wave of sequences computed comes from the prefix cache.
 
 The numbers are the model's raw distribution, log_softmax(logits at t - 1)[token t], what a dense forward
-pass computes (tested to 1e-4; on the default model in fp32 each is within 3e-5 of a float64 pass).
+pass computes (tested to 1e-4; on the default model in fp32 each is within 3e-5 of a float64 pass): the engine
+computes in the weights' dtype here, fp32 weights in fp32 whatever EngineConfig.compute_dtype's auto would pick.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def token_logprobs(
         return result
     prompts = [list(sequences[i]) for i in scored]
     config = scoring_config([len(p) for p in prompts], batch_size, prefix_caching=first_tokens is not None)
+    if next(model.parameters()).dtype == torch.float32:  # the weights' own arithmetic, never bf16 copies of them
+        config.compute_dtype = "float32"
     llm = LLM(model, config=config)
     params = [SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_from=firsts[i]) for i in scored]
     outputs = llm.generate(prompts, params, use_tqdm=progress)

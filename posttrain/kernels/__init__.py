@@ -35,7 +35,7 @@ logger = logging.getLogger("posttrain.kernels")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c"]
-HEADERS = [HERE / "vec_math.h"]
+HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
 MARCH_ENV = "POSTTRAIN_CPU_KERNELS_MARCH"  # the instruction set to build for; unset: the CPU's own ("native")
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]  # + -march=<target_march()>
@@ -51,27 +51,29 @@ X86_LEVELS = {
 }
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_DECODE_ATTENTION = [
+    _ptr,
+    _ptr,
+    _ptr,
+    _i64,
+    _i64,
+    _i64,
+    _i64,
+    _i64,
+    _ptr,
+    _i64,
+    _ptr,
+    _ptr,
+    _ptr,
+    _ptr,
+    _i64,
+    _i64,
+    _f32,
+    _int,
+]
 SIGNATURES = {  # the argument types of each function the library exports; all return void
-    "paged_decode_attention": [
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _f32,
-        _int,
-    ],
+    "paged_decode_attention": _DECODE_ATTENTION,  # over an fp32 pool
+    "paged_decode_attention_bf16": _DECODE_ATTENTION,  # over a bf16 pool
     "paged_write_kv": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
@@ -134,11 +136,12 @@ def runs_here(march: str) -> bool | None:
 
 
 def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the kernels take this layer: fp32 on CPU, K/V heads in the (2, blocks, bs, Hkv, D) pool."""
+    """Whether the kernels take this layer: fp32 queries on CPU, K/V heads in the (2, blocks, bs, Hkv, D) pool of
+    fp32 or bf16 (the engine's compute_dtype=bfloat16)."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
-        and cache.dtype == torch.float32
+        and cache.dtype in (torch.float32, torch.bfloat16)
         and cache.dim() == 5
         and cache.shape[0] == 2
         and cache.shape[-1] % LANES == 0
@@ -148,8 +151,9 @@ def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """cache (2, num_blocks, bs, Hkv, D) gets k, v (N, Hkv, D) at the flat slots (N,); slots < 0 skipped."""
-    k, v, slots = k.contiguous(), v.contiguous(), slots.to(torch.int64).contiguous()
+    """cache (2, num_blocks, bs, Hkv, D) gets k, v (N, Hkv, D) at the flat slots (N,); slots < 0 skipped. k, v are
+    rounded to the pool's dtype first (round to nearest even, as every cast to bf16 in torch)."""
+    k, v, slots = k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), slots.to(torch.int64).contiguous()
     num_slots = cache.shape[1] * cache.shape[2]
     library().paged_write_kv(
         cache.data_ptr(),
@@ -158,7 +162,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
         slots.data_ptr(),
         slots.numel(),
         num_slots,
-        cache.shape[3] * cache.shape[4],
+        cache.shape[3] * cache.shape[4] * cache.element_size(),
         torch.get_num_threads(),
     )
 
@@ -176,12 +180,15 @@ def decode_attention(
 ) -> None:
     """Fill out[rows] with the attention of q[rows] over each sequence's context (paged_decode.c).
 
-    q, out (N, H, D) contiguous fp32; tables (S, W), context_lens (S,), rows (S,) int64 for the S
-    decoding sequences, in groups: [group_starts[g], group_starts[g + 1]) share their first
-    group_shared[g] blocks; max_members the largest group."""
+    q, out (N, H, D) contiguous fp32; the pool fp32 or bf16 (read as fp32, accumulated in fp32); tables (S, W),
+    context_lens (S,), rows (S,) int64 for the S decoding sequences, in groups: [group_starts[g],
+    group_starts[g + 1]) share their first group_shared[g] blocks; max_members the largest group."""
     _, num_blocks, bs, hkv, d = cache.shape
     H = q.shape[1]
-    library().paged_decode_attention(
+    kernel = (
+        library().paged_decode_attention_bf16 if cache.dtype == torch.bfloat16 else library().paged_decode_attention
+    )
+    kernel(
         q.data_ptr(),
         cache.data_ptr(),
         out.data_ptr(),

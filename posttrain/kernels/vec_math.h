@@ -15,6 +15,18 @@ static inline vec load(const float* p) {
     return v;
 }
 
+/* LANES bf16 values (the top 16 bits of fp32s, as uint16) at p, widened to fp32 exactly. */
+static inline vec load_bf16(const uint16_t* p) {
+    typedef uint16_t half_lanes __attribute__((vector_size(LANES * 2)));
+    typedef uint32_t word_lanes __attribute__((vector_size(LANES * 4)));
+    half_lanes h;
+    memcpy(&h, p, sizeof(h));
+    word_lanes w = __builtin_convertvector(h, word_lanes) << 16;
+    vec v;
+    memcpy(&v, &w, sizeof(v));
+    return v;
+}
+
 static inline void store(float* p, vec v) { memcpy(p, &v, sizeof(v)); }
 
 static inline vec splat(float x) {

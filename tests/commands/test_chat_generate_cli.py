@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from posttrain.cli import main as cli_main
 from posttrain.commands.generate import read_prompts_file
@@ -121,3 +122,28 @@ def test_chat_survives_a_message_longer_than_the_context(model_dir, monkeypatch,
 def test_chat_refuses_a_system_argument_that_is_not_utf8(model_dir, capsys):
     assert cli_main(["chat", "--model", str(model_dir), "--system", BAD_ARGV]) == 2
     assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff) at character 4"]
+
+
+def test_generate_takes_the_engines_compute_dtype(model_dir, monkeypatch, capsys):
+    """--compute-dtype reaches EngineConfig; --dtype float32 alone means fp32 compute; a value the weights cannot
+    give is one line."""
+    made: list[LLM] = []
+    original = LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    argv = ["generate", "--model", str(model_dir), "--max-tokens", "2", "--temperature", "0", "--prompt", "hi"]
+    assert cli_main([*argv, "--compute-dtype", "bfloat16"]) == 0
+    assert made[-1].compute_dtype == torch.bfloat16
+    monkeypatch.setenv("POSTTRAIN_CPU_FEATURES", "avx512f avx512_bf16")  # auto would pick bf16 here
+    assert cli_main([*argv, "--dtype", "float32"]) == 0
+    assert made[-1].compute_dtype == torch.float32
+    capsys.readouterr()
+    assert cli_main([*argv, "--dtype", "bfloat16", "--compute-dtype", "float32"]) == 2
+    assert error_lines(capsys) == [
+        "error: compute_dtype='float32': the model's weights are bfloat16; the engine computes in the weights' "
+        "dtype, or in bfloat16 over float32 weights"
+    ]

@@ -1,6 +1,7 @@
 """train.off_policy in the RL trainers: the modes and the tis_cap alias resolve as documented, auto corrects only
-when the engine and the update compute in other dtypes (a bf16 update over the fp32 engine on a fast-bf16 CPU,
-forced here through POSTTRAIN_CPU_FEATURES), and the weights' metrics reach the step's record."""
+when the engine and the update compute in other dtypes (a bf16 update over an fp32 engine on a fast-bf16 CPU,
+forced here through POSTTRAIN_CPU_FEATURES; bf16 rollouts for an fp32 update), and the weights' metrics reach the
+step's record."""
 
 from __future__ import annotations
 
@@ -67,23 +68,47 @@ def test_bad_settings_fail_on_load(tmp_path, extra, match):
         _config(tmp_path, "bad", *extra)
 
 
-def test_auto_corrects_a_bf16_update_over_the_fp32_engine(tmp_path, tok, monkeypatch, caplog):
-    monkeypatch.setenv(FEATURES_ENV, ZEN5)
+@pytest.mark.parametrize(
+    "features, extra, engine, update",
+    [
+        # a bf16 update (autocast on a fast-bf16 CPU) over an engine asked to stay fp32
+        (ZEN5, ["rollout.engine.compute_dtype=float32"], "float32", "bfloat16"),
+        # bf16 rollouts (bf16 copies of the fp32 policy) for an fp32 update, on any CPU
+        ("avx2 fma", ["rollout.engine.compute_dtype=bfloat16"], "bfloat16", "float32"),
+    ],
+)
+def test_auto_corrects_an_engine_in_another_dtype_than_the_update(
+    tmp_path, tok, monkeypatch, caplog, features, extra, engine, update
+):
+    monkeypatch.setenv(FEATURES_ENV, features)
     with caplog.at_level(logging.INFO, logger="posttrain.trainers"):
-        run = setup_run(_config(tmp_path, "bf16"), "grpo", model=tiny_model(tok), tokenizer=tok)
-    assert run.parallel.compute_autocast == ("cpu", torch.bfloat16) and run.llm.compute_dtype == torch.float32
+        run = setup_run(_config(tmp_path, "mixed", *extra), "grpo", model=tiny_model(tok), tokenizer=tok)
+    assert run.llm.compute_dtype == getattr(torch, engine)
+    update_dtype = run.parallel.compute_autocast[1] if run.parallel.compute_autocast else run.model.dtype
+    assert update_dtype == getattr(torch, update)
     assert run.objective.off_policy == OffPolicyParams("tis", "token", cap=2.0)
     said = [r.getMessage() for r in caplog.records if "rollout engine computes" in r.getMessage()]
     assert said == [
-        "posttrain: the rollout engine computes in float32 and the update in bfloat16; off-policy "
+        f"posttrain: the rollout engine computes in {engine} and the update in {update}; off-policy "
         "correction: tis per token, cap 2.0 (train.off_policy)"
     ]
     metrics = rl_step(run, 1)
-    # bf16 logprobs against the engine's fp32 ones: weights near 1, not exactly 1.
+    # logprobs of one dtype against the other's: weights near 1, not exactly 1.
     assert metrics["mismatch/abs_diff_max"] > 0
     assert 0.5 < metrics["off_policy/weight_mean"] <= 2.0 and metrics["off_policy/weight_mean"] != 1.0
     assert 0 <= metrics["off_policy/truncated_frac"] <= 1 and metrics["off_policy/weight_max"] <= 2.0
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in run.model.parameters())
+
+
+def test_on_a_fast_bf16_cpu_both_sides_compute_in_bf16_by_default(tmp_path, tok, monkeypatch):
+    """model.dtype auto trains under bf16 autocast and rollout.engine.compute_dtype auto samples in bf16: one dtype,
+    so auto applies no correction (mismatch/* still reports the gap); model.dtype=float32 keeps both in fp32."""
+    monkeypatch.setenv(FEATURES_ENV, ZEN5)
+    run = setup_run(_config(tmp_path, "bf16"), "grpo", model=tiny_model(tok), tokenizer=tok)
+    assert run.parallel.compute_autocast == ("cpu", torch.bfloat16) and run.llm.compute_dtype == torch.bfloat16
+    assert run.objective.off_policy is None
+    run = setup_run(_config(tmp_path, "fp32", "model.dtype=float32"), "grpo", model=tiny_model(tok), tokenizer=tok)
+    assert run.parallel.compute_autocast is None and run.llm.compute_dtype == torch.float32
 
 
 def test_no_correction_where_both_compute_in_fp32(tmp_path, tok, monkeypatch):

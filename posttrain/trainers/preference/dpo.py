@@ -205,14 +205,30 @@ class DPORun:
     """The pieces a DPO run holds; `step` and `evaluate` are what the loop calls."""
 
     def __init__(
-        self, cfg: DPOConfig, model: Transformer, train: list[PairRow], held: list[PairRow], pad_id: int
+        self,
+        cfg: DPOConfig,
+        model: Transformer,
+        train: list[PairRow],
+        held: list[PairRow],
+        pad_id: int,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
+        """`compute_dtype`: the autocast dtype of the policy's forwards (the Parallel's), which a precomputed
+        reference is taken under too."""
         self.cfg, self.model, self.train, self.held, self.pad_id = cfg, model, train, held, pad_id
         # Set by `distribute` once the reference logps are taken from the unwrapped initial weights.
         self.parallel: Parallel | None = None
         kto_len = cfg.data.max_length if cfg.loss == "kto" else None
         self.reference = (
-            Reference(cfg.reference, model, {"train": train, "eval": held}, cfg.train.batch_size, pad_id, kto_len)
+            Reference(
+                cfg.reference,
+                model,
+                {"train": train, "eval": held},
+                cfg.train.batch_size,
+                pad_id,
+                kto_len,
+                compute_dtype=compute_dtype,
+            )
             if cfg.uses_reference
             else None
         )
@@ -352,16 +368,19 @@ def train_dpo(cfg: DPOConfig, *, model: Transformer | None = None, tokenizer: An
     )
 
     model.train()
+    # The autocast of every forward (bf16 with model.dtype auto on a CPU with fast bf16), the precomputed
+    # reference's included: its table is taken before the Parallel exists.
+    compute_dtype = cfg.model.autocast_dtype(model)
     if unpaired:
-        run: Any = KTORun(cfg, model, data, pad_id)
+        run: Any = KTORun(cfg, model, data, pad_id, compute_dtype=compute_dtype)
     else:
-        run = DPORun(cfg, model, data.train, data.eval, pad_id)
+        run = DPORun(cfg, model, data.train, data.eval, pad_id, compute_dtype=compute_dtype)
     # After the reference took the initial weights (a precomputed table or a plain frozen copy on every rank),
     # before the optimizer: FSDP2 replaces the Parameters by their shards.
-    parallel = Parallel(model, cfg.dist, ctx, compute_dtype=cfg.model.autocast_dtype(model))
-    if parallel.wrapped is not None:
-        parallel.check_divides("train.batch_size", train_cfg.batch_size)
-        run.distribute(parallel)
+    parallel = Parallel(model, cfg.dist, ctx, compute_dtype=compute_dtype)
+    parallel.check_divides("train.batch_size", train_cfg.batch_size)
+    # Every pass through the Parallel, one process too: it is what applies the autocast.
+    run.distribute(parallel)
     optimizer = optimizer_for(model, optim_cfg)
     scheduler = scheduler_for(optimizer, optim_cfg, max_steps)
     if unpaired:

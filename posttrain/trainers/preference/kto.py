@@ -61,11 +61,22 @@ class KTOOptions(Protocol):
 class KTORun:
     """The pieces of a KTO run on unpaired rows; `step` and `evaluate` are what the loop calls."""
 
-    def __init__(self, cfg: KTOOptions, model: Transformer, data: UnpairedData, pad_id: int) -> None:
+    def __init__(
+        self,
+        cfg: KTOOptions,
+        model: Transformer,
+        data: UnpairedData,
+        pad_id: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`compute_dtype`: the autocast dtype of the policy's forwards, which a precomputed reference is taken
+        under too."""
         self.cfg, self.model, self.pad_id = cfg, model, pad_id
         self.parallel: Parallel | None = None  # set by `distribute`, after the reference took the initial weights
         self.splits = {"train": data.train, **({"eval": data.eval} if data.eval else {})}
-        self.reference = UnpairedReference(cfg.reference, model, self.splits, cfg.train.batch_size, pad_id)
+        self.reference = UnpairedReference(
+            cfg.reference, model, self.splits, cfg.train.batch_size, pad_id, compute_dtype=compute_dtype
+        )
         self.beta = cfg.effective_beta()
         options = cfg.loss_options()
         check_weights(data.train.rows, options.get("desirable_weight", 1.0), options.get("undesirable_weight", 1.0))

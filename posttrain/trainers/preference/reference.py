@@ -20,7 +20,7 @@ from posttrain.data.collate import Batch
 from posttrain.data.preference_pairs import PairRow, mismatched_row
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.distributed.parallel import Parallel, run_module
+from posttrain.distributed.parallel import Parallel, compute_scope, run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import disable_adapters
 from posttrain.trainers.adapters import has_adapters
@@ -49,7 +49,10 @@ class Reference:
         batch_size: int,
         pad_token_id: int,
         kto_max_length: int | None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
+        """`compute_dtype`: the autocast dtype of the run's forwards (the Parallel's `compute_dtype`), which the
+        precomputed table is taken under too, so the reference's logps come from the policy's own arithmetic."""
         self.mode, self.pad_token_id, self.splits = mode, pad_token_id, splits
         self.kl = {name: kl_rows(p, kto_max_length) for name, p in splits.items() if p} if kto_max_length else {}
         self.model: Transformer | None = None
@@ -61,7 +64,7 @@ class Reference:
         if mode == "live":
             self.model = policy if self.base_of_policy else copy.deepcopy(policy).eval().requires_grad_(False)
         else:
-            with self._reference_weights(policy):
+            with self._reference_weights(policy), compute_scope(policy.device.type, compute_dtype):
                 for name, pairs in splits.items():
                     if not pairs:
                         continue
@@ -105,8 +108,15 @@ class UnpairedReference:
     or a frozen model (a copy, or with LoRA the policy with its adapters off) asked per batch."""
 
     def __init__(
-        self, mode: str, policy: Transformer, splits: dict[str, KTOSplit], batch_size: int, pad_id: int
+        self,
+        mode: str,
+        policy: Transformer,
+        splits: dict[str, KTOSplit],
+        batch_size: int,
+        pad_id: int,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
+        """`compute_dtype`: as Reference's."""
         self.splits, self.pad_id = splits, pad_id
         self.base_of_policy = has_adapters(policy)
         self.model: Transformer | None = None
@@ -115,7 +125,7 @@ class UnpairedReference:
         if mode == "live":
             self.model = policy if self.base_of_policy else copy.deepcopy(policy).eval().requires_grad_(False)
             return
-        with self._weights(policy):
+        with self._weights(policy), compute_scope(policy.device.type, compute_dtype):
             for name, split in splits.items():
                 self.table[name] = (
                     frozen_logps(policy, [r.row for r in split.rows], batch_size, pad_id),

@@ -96,9 +96,13 @@ class RLRun:
 
 
 def engine_config(cfg: RLConfig) -> EngineConfig:
-    """The engine section, with max_model_len / max_num_seqs sized to the rollout when left at defaults."""
+    """The engine section, with max_model_len / max_num_seqs sized to the rollout when left at defaults, and
+    compute_dtype auto meaning float32 under an explicit model.dtype=float32 (else auto: bf16 rollouts over the fp32
+    policy where the CPU is fast in bf16; train.off_policy.mode=auto corrects what differs from the update)."""
     engine = dataclasses.replace(cfg.rollout.engine)
     defaults = EngineConfig()
+    if engine.compute_dtype == "auto" and cfg.model.dtype == "float32":
+        engine.compute_dtype = "float32"
     eval_tokens = cfg.eval.max_tokens or cfg.rollout.max_tokens
     if engine.max_model_len is None:
         new_tokens = completion_budget(cfg) if getattr(cfg, "env", None) is not None else eval_tokens
