@@ -6,12 +6,13 @@ import argparse
 import os
 import sys
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.errors import PosttrainError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_quant_argument(parser)
     parser.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: --model)")
     parser.add_argument(
         "--lora",
@@ -95,12 +96,14 @@ def run(args: argparse.Namespace) -> int:
     from posttrain.serve.auth import ENV_VAR, resolve_api_keys
     from posttrain.serve.loading import load_served_models, parse_lora_specs
     from posttrain.serve.tools import tool_calling
+    from posttrain.quant.inference import check_inference_quant
 
     bind.check_port(args.port)
     if args.max_body_bytes < 1:
         raise PosttrainError(f"--max-body-bytes={args.max_body_bytes}: must be a positive integer")
     api_keys = resolve_api_keys(args.api_key, os.environ)
     loras = parse_lora_specs(args.lora)
+    check_inference_quant(args.quant)  # a bad value fails before the model loads
     if args.chat_template is not None:
         load_chat_template(args.chat_template, key="--chat-template")  # a bad name fails before the model loads
     try:
@@ -125,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             chat_template=args.chat_template,
+            quant=args.quant,
         )
         app = build_app(
             async_engine, tokenizer, max_body_bytes=args.max_body_bytes, api_keys=api_keys, tool_calling=calling
