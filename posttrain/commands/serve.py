@@ -92,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise PosttrainError(f"serve needs FastAPI and uvicorn ({error}): pip install fastapi uvicorn") from None
     from posttrain.chat_templates import load_chat_template
+    from posttrain.quant.inference import check_inference_quant
     from posttrain.serve import bind
     from posttrain.serve.auth import ENV_VAR, resolve_api_keys
     from posttrain.serve.loading import load_served_models, parse_lora_specs
     from posttrain.serve.tools import tool_calling
-    from posttrain.quant.inference import check_inference_quant
 
     bind.check_port(args.port)
     if args.max_body_bytes < 1:
