@@ -23,9 +23,10 @@ TABLE = """
 """
 
 
-def _module():
+def _module(monkeypatch: pytest.MonkeyPatch):
     spec = importlib.util.spec_from_file_location("vs_llamacpp", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vs_llamacpp", module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -44,8 +45,8 @@ def test_dry_run_prints_the_plan():
     assert set(report["commands"]) == {"f32", "bf16", "q8_0"}
 
 
-def test_parses_the_batched_bench_table():
-    assert _module().parse_batched_bench(TABLE) == {1: 78.05, 16: 575.28}
+def test_parses_the_batched_bench_table(monkeypatch: pytest.MonkeyPatch):
+    assert _module(monkeypatch).parse_batched_bench(TABLE) == {1: 78.05, 16: 575.28}
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,9 @@ def test_parses_the_batched_bench_table():
         (["--llamacpp", "/nonexistent"], "no bin/llama-batched-bench"),
     ],
 )
-def test_bad_arguments_get_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture):
+def test_bad_arguments_get_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
     with pytest.raises(SystemExit):
-        _module().parse_args(argv)
+        _module(monkeypatch).parse_args(argv)
     assert message in capsys.readouterr().err
