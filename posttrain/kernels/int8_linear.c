@@ -22,7 +22,8 @@
 
 #include "vec_math.h"
 
-#define ROW_BLOCK 4 /* weight rows that share each load of x: 4 independent sums hide the FMA latency */
+#define ROW_BLOCK 4   /* weight rows that share each load of x: 4 independent sums hide the FMA latency */
+#define INPUT_BLOCK 2 /* inputs that share each widened code vector */
 
 /* LANES codes of a weight row widened to floats. With AVX2 one sign-extending load and one conversion: GCC
  * lowers the portable loop (and __builtin_convertvector from 8 bytes) to a scalar insert per code. */
@@ -36,25 +37,38 @@ static inline vec widen(const int8_t* codes) {
 #endif
 }
 
-/* y[m, n0 .. n0 + rows) for every input m; `rows` is a constant where this is inlined, so the loops over it
- * unroll and the sums stay in registers. */
-static inline void row_block(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N,
-                             int64_t K, int64_t n0, const int rows) {
+/* y[m0 .. m0 + inputs, n0 .. n0 + rows): each widened code vector serves `inputs` rows of x. `inputs` and `rows`
+ * are constants where this is inlined, so the loops over them unroll and the inputs x rows sums stay in
+ * registers (2 x 4 sums + 4 codes + 2 inputs: 14 of AVX2's 16). */
+static inline void tile(const float* x, const int8_t* codes, const float* scales, float* y, int64_t N, int64_t K,
+                        int64_t m0, int64_t n0, const int inputs, const int rows) {
     const int64_t body = K - K % LANES;
-    for (int64_t m = 0; m < M; m++) {
-        const float* xm = x + m * K;
-        vec acc[ROW_BLOCK] = {{0}};
-        for (int64_t k = 0; k < body; k += LANES) {
-            const vec xv = load(xm + k);
-            for (int r = 0; r < rows; r++) acc[r] += xv * widen(codes + (n0 + r) * K + k);
-        }
-        for (int r = 0; r < rows; r++) {
-            const int8_t* row = codes + (n0 + r) * K;
-            float sum = lane_sum(acc[r]);
-            for (int64_t k = body; k < K; k++) sum += xm[k] * (float)row[k];
-            y[m * N + n0 + r] = sum * scales[n0 + r];
+    vec acc[INPUT_BLOCK][ROW_BLOCK] = {{{0}}};
+    for (int64_t k = 0; k < body; k += LANES) {
+        vec w[ROW_BLOCK];
+        for (int r = 0; r < rows; r++) w[r] = widen(codes + (n0 + r) * K + k);
+        for (int i = 0; i < inputs; i++) {
+            const vec xv = load(x + (m0 + i) * K + k);
+            for (int r = 0; r < rows; r++) acc[i][r] += xv * w[r];
         }
     }
+    for (int i = 0; i < inputs; i++) {
+        const float* xm = x + (m0 + i) * K;
+        for (int r = 0; r < rows; r++) {
+            const int8_t* row = codes + (n0 + r) * K;
+            float sum = lane_sum(acc[i][r]);
+            for (int64_t k = body; k < K; k++) sum += xm[k] * (float)row[k];
+            y[(m0 + i) * N + n0 + r] = sum * scales[n0 + r];
+        }
+    }
+}
+
+/* Every input against weight rows n0 .. n0 + rows. */
+static inline void row_block(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N,
+                             int64_t K, int64_t n0, const int rows) {
+    int64_t m = 0;
+    for (; m + INPUT_BLOCK <= M; m += INPUT_BLOCK) tile(x, codes, scales, y, N, K, m, n0, INPUT_BLOCK, rows);
+    for (; m < M; m++) tile(x, codes, scales, y, N, K, m, n0, 1, rows);
 }
 
 void int8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
