@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
 from posttrain.commands.text_input import at, check_argument, decode_line
 from posttrain.errors import PosttrainError
@@ -20,6 +20,7 @@ HELP = "commands: /reset  /system TEXT  /exit"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_quant_argument(parser)
     parser.add_argument("--system", default=None, help="system message")
     add_sampling_arguments(parser, default_temperature=0.7)
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     system = None if args.system is None else check_argument(args.system, "--system")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quant=args.quant, **engine_kwargs(args))
     history: list[dict[str, str]] = []
     interactive = sys.stdin.isatty()
     # Bytes, decoded here: a text stdin would either raise on a bad byte (a UTF-8 locale) or pass it on

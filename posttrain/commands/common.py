@@ -30,6 +30,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
 
 
+def add_quant_argument(parser: argparse.ArgumentParser) -> None:
+    """`--quant int8` of the inference commands (posttrain/quant/inference.py)."""
+    parser.add_argument(
+        "--quant",
+        default=None,
+        help="int8: int8 weight-only decode, the decoder's linear weights rounded per output channel at load "
+        "(a quarter of fp32's bytes; default: the model's own weights)",
+    )
+
+
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     """`--json`: the command prints its result as one JSON object instead of text."""
     parser.add_argument("--json", action="store_true", help="print one JSON object")

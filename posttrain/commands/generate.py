@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
 from posttrain.commands.text_input import check_argument, json_text_problem, read_text_lines
 from posttrain.data.readers import read_rows
@@ -21,6 +21,7 @@ from posttrain.errors import PosttrainError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_quant_argument(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument(
         "--prompts-file",
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise PosttrainError("no prompt: give --prompt TEXT or --prompts-file FILE")
     params = sampling_params_from_args(args, n=args.n, logprobs=True if args.logprobs else None)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quant=args.quant, **engine_kwargs(args))
     engine_prompts = [as_engine_prompt(p, args.raw, args.system) for p in prompts]
     if len(prompts) == 1 and args.n == 1 and not args.json:
         for delta in llm.stream(engine_prompts[0], params):

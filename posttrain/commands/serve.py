@@ -6,13 +6,14 @@ import argparse
 import os
 import sys
 
-from posttrain.commands.common import add_model_arguments
+from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.commands.sampling_args import add_compute_dtype_argument
 from posttrain.errors import PosttrainError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_quant_argument(parser)
     parser.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: --model)")
     parser.add_argument(
         "--lora",
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise PosttrainError(f"serve needs FastAPI and uvicorn ({error}): pip install fastapi uvicorn") from None
     from posttrain.chat_templates import load_chat_template
+    from posttrain.quant.inference import check_inference_quant
     from posttrain.serve import bind
     from posttrain.serve.auth import ENV_VAR, resolve_api_keys
     from posttrain.serve.loading import load_served_models, parse_lora_specs
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         raise PosttrainError(f"--max-body-bytes={args.max_body_bytes}: must be a positive integer")
     api_keys = resolve_api_keys(args.api_key, os.environ)
     loras = parse_lora_specs(args.lora)
+    check_inference_quant(args.quant)  # a bad value fails before the model loads
     if args.chat_template is not None:
         load_chat_template(args.chat_template, key="--chat-template")  # a bad name fails before the model loads
     try:
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             chat_template=args.chat_template,
+            quant=args.quant,
         )
         app = build_app(
             async_engine, tokenizer, max_body_bytes=args.max_body_bytes, api_keys=api_keys, tool_calling=calling

@@ -1,6 +1,7 @@
 """LLM: the offline face of the engine. Prompts (text, chat messages or token ids) in, completions out.
 
 llm = LLM(model="smollm2-135m")                      # load by name / path
+llm = LLM(model="smollm2-135m", quant="int8")        # int8 weight-only decode (inference only)
 llm = LLM(model=module, tokenizer=tok)               # or wrap the live module a trainer is updating
 outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=128, logprobs=True))
 for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)): print(delta.text, end="")
@@ -20,6 +21,7 @@ from posttrain.engine.llm_engine import LLMEngine
 from posttrain.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from posttrain.engine.sampling_params import SamplingParams
 from posttrain.errors import PosttrainError
+from posttrain.quant.inference import check_inference_quant, quantize_for_inference
 
 ChatMessages = Sequence[dict[str, Any]]
 Prompt = str | ChatMessages | Sequence[int]
@@ -33,7 +35,8 @@ class LLM:
     call `weights_updated()` after each one). Extra keyword arguments are EngineConfig fields, e.g.
     `compute_dtype="bfloat16"` (bf16 compute over fp32 weights; the default `auto` picks it where the CPU is fast
     in bf16). `dtype` is the dtype of the weights a name or path loads in; dtype="float32" also means fp32 compute
-    unless compute_dtype says otherwise."""
+    unless compute_dtype says otherwise. `quant="int8"`: int8 weight-only decode of a model loaded by name or path
+    (posttrain/quant/inference.py)."""
 
     def __init__(
         self,
@@ -44,13 +47,21 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         chat_template: str | None = None,
+        quant: str | None = None,
         **config_fields: Any,
     ) -> None:
+        check_inference_quant(quant)
         if isinstance(model, (str, Path)):
             from posttrain.models.hub import load_model
 
             model, loaded_tokenizer = load_model(model, dtype=dtype, device=device, chat_template=chat_template)
+            model = quantize_for_inference(model, quant)
             tokenizer = tokenizer or loaded_tokenizer
+        elif quant is not None:
+            raise PosttrainError(
+                f"quant={quant!r} applies to a model LLM loads itself (a name or path), for inference only; a live "
+                "module (a trainer's) keeps its float weights"
+            )
         elif chat_template is not None:
             raise PosttrainError("chat_template= applies to a model loaded by name or path; set it on the tokenizer")
         elif not isinstance(model, torch.nn.Module):

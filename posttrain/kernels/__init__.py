@@ -34,7 +34,7 @@ from posttrain.cache import cache_root
 logger = logging.getLogger("posttrain.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c"]
+SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c", HERE / "int8_linear.c"]
 HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
 MARCH_ENV = "POSTTRAIN_CPU_KERNELS_MARCH"  # the instruction set to build for; unset: the CPU's own ("native")
@@ -80,6 +80,7 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "rotary": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "silu_mul": [_ptr, _ptr, _ptr, _i64, _int],
     "sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int],
+    "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
 }
 
 
@@ -235,6 +236,18 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tup
         torch.get_num_threads(),
     )
     return tokens, logprobs
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32 times int8 codes (N, K) with fp32 row scales (N,) -> (M, N) fp32 (int8_linear.c)."""
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    M, K = x.shape
+    N = codes.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    library().int8_linear(
+        x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads()
+    )
+    return y
 
 
 def _build(march: str) -> Path:

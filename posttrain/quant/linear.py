@@ -6,6 +6,10 @@ Inputs of any leading shape: (B, T, K) on the dense path, (N, K) on the engine's
 
 How the matmul runs is chosen per call from KERNELS (first one that supports the input):
 
+- `cpu_int8_native`: symmetric int8 weight-only, fp32 inputs of at most NATIVE_MAX_ROWS rows (decode) on a
+  CPU without fast bf16 (posttrain.hardware): posttrain's own C kernel (posttrain/kernels/int8_linear.c)
+  widens the codes to float in registers, so the weight streams as int8 and the activations stay fp32.
+  There torch's int8 kernel below would run on emulated bf16. Larger inputs (prefill) take the next kernel.
 - `cpu_int4_bf16`, `cpu_int8_bf16`: torch's fused CPU weight-only kernels; they read the packed weights
   as stored and take bf16 activations (the input is rounded to bf16, the output cast back). Measured on
   this CPU (AVX-512): 2-3x faster than an fp32 matmul for decode-sized inputs (a few rows), slower than
@@ -35,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain import hardware, kernels
 from posttrain.errors import PosttrainError
 from posttrain.quant.codec import (
     TILE_ROWS,
@@ -48,6 +53,7 @@ from posttrain.quant.codec import (
 from posttrain.quant.schemes import WEIGHT_BITS, QuantScheme, get_scheme
 
 COMPUTE_MODES = ("auto", "reference")
+NATIVE_MAX_ROWS = 16  # inputs up to this many rows take `cpu_int8_native`: past it the weight is re-read per 4 rows
 
 # The linear layers of each decoder block, by our module names; lm_head and the embeddings are left alone.
 DECODER_LINEAR = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
@@ -309,6 +315,24 @@ def _cpu_int4_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _cpu_int8_native_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
+    return (
+        layer.scheme.bits == 8
+        and layer.scheme.symmetric
+        and layer.scheme.activation_bits is None
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] <= NATIVE_MAX_ROWS
+        and not hardware.cpu_features().fast_bf16
+        and kernels.library() is not None
+    )
+
+
+def _cpu_int8_native_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    scales = _cached(layer, ("cpu_int8_native", x.device), lambda: layer.scales[:, 0].float().contiguous())
+    return kernels.int8_linear(x, layer.qweight, scales)  # (M, N)
+
+
 def _cpu_int8_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
     return (
         layer.scheme.bits == 8
@@ -363,6 +387,7 @@ KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
         Kernel("cpu_int4_bf16", _cpu_int4_supports, _cpu_int4_matmul),
+        Kernel("cpu_int8_native", _cpu_int8_native_supports, _cpu_int8_native_matmul),
         Kernel("cpu_int8_bf16", _cpu_int8_supports, _cpu_int8_matmul),
         Kernel("int_mm", _int_mm_supports, _int_mm_matmul),
         Kernel("reference", lambda layer, x: True, _reference),

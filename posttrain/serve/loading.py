@@ -84,10 +84,14 @@ def load_served_models(
     dtype: str | None = None,
     device: str | None = None,
     chat_template: str | None = None,
+    quant: str | None = None,
 ) -> tuple[AsyncEngine, Any]:
     """Load `model_name` (load_model) and build the AsyncEngine over it. Returns (async engine, tokenizer).
-    `chat_template`: a built-in template name (`chatml_tools`) or a .jinja path replacing the checkpoint's."""
+    `chat_template`: a built-in template name (`chatml_tools`) or a .jinja path replacing the checkpoint's.
+    `quant`: "int8" for int8 weight-only decode (posttrain/quant/inference.py)."""
     from posttrain.models.hub import load_model
+    from posttrain.quant.inference import quantize_for_inference
 
     model, tokenizer = load_model(model_name, dtype=dtype, device=device, chat_template=chat_template)
+    model = quantize_for_inference(model, quant)
     return build_served_models(model, tokenizer, served_model_name or str(model_name), loras, config), tokenizer

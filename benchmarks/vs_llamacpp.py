@@ -1,0 +1,204 @@
+"""posttrain's engine against llama.cpp on this CPU, side by side in one run, at matching precision.
+
+    bash /work/shared/tools/build-llamacpp.sh /work/llamacpp HF_DIR   # once: llama.cpp's tools + GGUFs of HF_DIR
+    .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp /work/llamacpp --hf-dir HF_DIR
+    .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp /work/llamacpp --hf-dir HF_DIR --quick   # a smoke run
+    .venv/bin/python benchmarks/vs_llamacpp.py --dry-run      # the plan (commands, workloads), nothing run
+
+HF_DIR is posttrain's own export of the model (`posttrain convert --out HF_DIR`); both sides run those weights.
+The GGUFs are DIR/smollm2-{f32,bf16,q8_0}.gguf as the build script writes them; a missing one is converted
+from HF_DIR with DIR/convert_hf_to_gguf.py.
+
+Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up excluded on both:
+- batched: llama.cpp's `llama-batched-bench -npp 95 -ntg T -npl 1,S -pps` (S parallel sequences sharing one
+  95-token prompt, T new tokens each; its decode tokens/s, S_TG); posttrain's engine on P GSM8K prompts
+  (examples/data) x n samples x T tokens at temperature 1, EOS ignored (S = P x n; generated tokens / wall time).
+- batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy.
+
+Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's `dtype: auto` compute (fp32 on a CPU
+without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with `quant="int8"`.
+Prints progress to stderr and one JSON object as the last line of stdout: per precision both sides' figures and
+`batched_ratio`, `batch1_ratio` (posttrain / llama.cpp; above 1: posttrain is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
+PRECISIONS = ("f32", "bf16", "q8_0")
+PROMPT_TOKENS = 95  # llama-batched-bench's -npp, the length of a chat-templated GSM8K question
+MAX_PARALLEL = 256  # llama.cpp's limit on parallel sequences
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int  # posttrain: distinct prompts; llama.cpp: S = prompts x n sequences on one shared prompt
+    n: int
+    max_tokens: int
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.n
+
+
+FULL = Workload(prompts=32, n=8, max_tokens=128)
+QUICK = Workload(prompts=4, n=4, max_tokens=32)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def gguf_path(llamacpp: Path, precision: str) -> Path:
+    return llamacpp / f"smollm2-{precision}.gguf"
+
+
+def batched_bench_command(llamacpp: Path, precision: str, workload: Workload, threads: int) -> list[str]:
+    context = PROMPT_TOKENS + workload.sequences * workload.max_tokens + 1024  # -pps: the prompt is shared
+    return [
+        str(llamacpp / "bin" / "llama-batched-bench"),
+        *("-m", str(gguf_path(llamacpp, precision)), "-c", str(context), "-b", "2048", "-ub", "512"),
+        *("-npp", str(PROMPT_TOKENS), "-ntg", str(workload.max_tokens), "-npl", f"1,{workload.sequences}", "-pps"),
+        *("-t", str(threads), "-tb", str(threads)),
+    ]
+
+
+def convert_command(llamacpp: Path, hf_dir: Path, precision: str) -> list[str]:
+    return [
+        sys.executable,
+        str(llamacpp / "convert_hf_to_gguf.py"),
+        str(hf_dir),
+        *("--outtype", precision, "--outfile", str(gguf_path(llamacpp, precision))),
+    ]
+
+
+# One row of llama-batched-bench's table: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+ROW = re.compile(r"^\|\s*" + r"\s*\|\s*".join([r"(\d+)"] * 4 + [r"([\d.]+)"] * 6) + r"\s*\|")
+
+
+def parse_batched_bench(output: str) -> dict[int, float]:
+    """Decode tokens/s (S_TG) by number of parallel sequences, from llama-batched-bench's table."""
+    speeds = {}
+    for line in output.splitlines():
+        match = ROW.match(line.strip())
+        if match:
+            speeds[int(match.group(3))] = float(match.group(8))
+    return speeds
+
+
+def run_llamacpp(llamacpp: Path, hf_dir: Path | None, precision: str, workload: Workload, threads: int) -> dict:
+    if not gguf_path(llamacpp, precision).exists():
+        if hf_dir is None:
+            sys.exit(f"error: {gguf_path(llamacpp, precision)} is missing: pass --hf-dir to convert it")
+        env = {**os.environ, "PYTHONPATH": str(llamacpp / "gguf-py")}
+        subprocess.run(convert_command(llamacpp, hf_dir, precision), check=True, env=env, stdout=subprocess.DEVNULL)
+    command = batched_bench_command(llamacpp, precision, workload, threads)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(llamacpp / "bin")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    speeds = parse_batched_bench(done.stdout)
+    if done.returncode != 0 or 1 not in speeds or workload.sequences not in speeds:
+        sys.exit(f"error: {' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return {"batched": speeds[workload.sequences], "batch1": speeds[1]}
+
+
+def load_prompts(tokenizer, count: int) -> list[list[int]]:
+    with open(GSM8K) as f:
+        questions = [json.loads(line)["question"] for line, _ in zip(f, range(count))]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
+
+
+def run_posttrain(hf_dir: str, precision: str, workload: Workload) -> dict:
+    from posttrain.engine import LLM, SamplingParams
+    from posttrain.hardware import auto_dtype
+
+    dtype = {"f32": "float32", "bf16": auto_dtype("cpu").dtype, "q8_0": "float32"}[precision]
+    quant = "int8" if precision == "q8_0" else None
+    blocks = -(-workload.sequences * (PROMPT_TOKENS * 3 + workload.max_tokens) // 16)  # prompts up to ~3x -npp
+    llm = LLM(hf_dir, dtype=dtype, quant=quant, num_kv_blocks=blocks, max_num_seqs=max(workload.sequences, 1))
+    prompts = load_prompts(llm.tokenizer, workload.prompts)
+    llm.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.engine.weights_updated()  # an empty prefix cache
+    sampled = SamplingParams(n=workload.n, temperature=1.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampled)
+    batched = sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
+    greedy = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up at batch 1
+    start = time.perf_counter()
+    tokens = len(llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids)
+    batch1 = tokens / (time.perf_counter() - start)
+    return {"batched": batched, "batch1": batch1, "dtype": dtype, "quant": quant}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llamacpp", type=Path, default=None, help="build-llamacpp.sh's DEST (bin/, GGUFs)")
+    parser.add_argument("--hf-dir", type=Path, default=None, help="posttrain's HF export of the model")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {PRECISIONS}")
+    parser.add_argument("--threads", type=int, default=2, help="threads on both sides (default: 2)")
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}, not {FULL}")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan as the JSON line; run nothing")
+    args = parser.parse_args(argv)
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = [p for p in args.precisions if p not in PRECISIONS]
+    if unknown or not args.precisions:
+        parser.error(f"--precisions: {','.join(unknown) or 'none given'} (choose from {', '.join(PRECISIONS)})")
+    if args.threads < 1:
+        parser.error(f"--threads={args.threads}: must be a positive integer")
+    if not args.dry_run and args.llamacpp is None:
+        parser.error("--llamacpp DIR is needed (build-llamacpp.sh's DEST), or --dry-run")
+    if args.llamacpp is not None and not args.dry_run and not (args.llamacpp / "bin" / "llama-batched-bench").exists():
+        parser.error(f"--llamacpp {args.llamacpp}: no bin/llama-batched-bench there (run build-llamacpp.sh)")
+    if args.hf_dir is None and not args.dry_run:
+        parser.error("--hf-dir is needed: posttrain's HF export of the model (posttrain convert --out DIR)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workload = QUICK if args.quick else FULL
+    if workload.sequences > MAX_PARALLEL:
+        sys.exit(f"error: {workload.sequences} sequences: llama.cpp runs at most {MAX_PARALLEL} in parallel")
+    llamacpp = args.llamacpp or Path("LLAMACPP")
+    report: dict = {"threads": args.threads, "workload": asdict(workload), "prompt_tokens": PROMPT_TOKENS}
+    if args.dry_run:
+        report["commands"] = {p: batched_bench_command(llamacpp, p, workload, args.threads) for p in args.precisions}
+        print(json.dumps(report))
+        return 0
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    for precision in args.precisions:
+        log(f"llama.cpp {precision} ...")
+        theirs = run_llamacpp(llamacpp, args.hf_dir, precision, workload, args.threads)
+        log(f"  {theirs}\nposttrain against {precision} ...")
+        ours = run_posttrain(str(args.hf_dir), precision, workload)
+        log(f"  {ours}")
+        report[precision] = {
+            "llamacpp": theirs,
+            "posttrain": ours,
+            "batched_ratio": round(ours["batched"] / theirs["batched"], 3),
+            "batch1_ratio": round(ours["batch1"] / theirs["batch1"], 3),
+        }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Weight-only int8 for the inference commands (`generate`, `chat`, `serve` with `--quant int8`, and
+`LLM(model=..., quant="int8")`): the decoder's linear weights are rounded per output channel to int8 when the
+model is loaded, so a decode step streams a quarter of their fp32 bytes.
+
+At batch 1 a decode step is memory-bound: every weight crosses memory once per token. The quantized layers
+(posttrain.quant.linear.QuantizedLinear, scheme `int8`) pick their kernel per call: on a CPU without fast bf16
+the engine's decode rows run posttrain's C kernel (fp32 activations, int8 codes widened in registers), larger
+inputs (prefill) and CPUs with fast bf16 take torch's kernels. lm_head and the embeddings stay in float
+(SmolLM2's lm_head is its tied embedding: quantizing it would add a copy).
+
+Inference only: a trainer's live module keeps its float weights (an optimizer cannot step int8 codes), so the
+engine refuses `quant` on a module it did not load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.errors import PosttrainError
+from posttrain.quant.linear import QuantizedLinear, quantize_model
+
+INFERENCE_SCHEMES = ("int8",)  # what `--quant` accepts
+
+
+def check_inference_quant(quant: str | None) -> str | None:
+    """`quant` itself when it is None or a scheme the inference commands take; else one clear error."""
+    if quant is not None and quant not in INFERENCE_SCHEMES:
+        raise PosttrainError(f"quant={quant!r}: the inference commands take {', '.join(INFERENCE_SCHEMES)} (or none)")
+    return quant
+
+
+def quantize_for_inference(model: torch.nn.Module, quant: str | None) -> torch.nn.Module:
+    """The model with its decoder linears quantized by `quant` (in place; frozen), or unchanged for None."""
+    if check_inference_quant(quant) is None:
+        return model
+    model = quantize_model(model, quant)
+    model.requires_grad_(False)
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights as held: parameters once each (a tied lm_head once) plus quantized
+    layers' codes, scales and biases."""
+    params = {id(p): p for p in model.parameters()}.values()
+    quantized = [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers(recurse=False)]
+    return sum(t.numel() * t.element_size() for t in (*params, *quantized))

@@ -1,0 +1,66 @@
+"""benchmarks/vs_llamacpp.py without llama.cpp: its dry run prints the plan, llama-batched-bench's table parses,
+bad arguments get one clear line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "vs_llamacpp.py"
+
+# llama-batched-bench's table (as printed by the build the script drives), -npl 1,16 -pps.
+TABLE = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    95 |     32 |    1 |    127 |    0.210 |   452.38 |    0.410 |    78.05 |    0.620 |   204.84 |
+|    95 |     32 |   16 |    607 |    0.211 |   450.24 |    0.890 |   575.28 |    1.101 |   551.32 |
+"""
+
+
+def _module(monkeypatch: pytest.MonkeyPatch):
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vs_llamacpp", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_prints_the_plan():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--quick"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["threads"] == 2 and report["workload"] == {"prompts": 4, "n": 4, "max_tokens": 32}
+    command = report["commands"]["q8_0"]
+    assert command[0].endswith("bin/llama-batched-bench") and "LLAMACPP/smollm2-q8_0.gguf" in command
+    assert command[command.index("-npl") + 1] == "1,16" and "-pps" in command
+    assert command[command.index("-t") + 1] == command[command.index("-tb") + 1] == "2"
+    assert set(report["commands"]) == {"f32", "bf16", "q8_0"}
+
+
+def test_parses_the_batched_bench_table(monkeypatch: pytest.MonkeyPatch):
+    assert _module(monkeypatch).parse_batched_bench(TABLE) == {1: 78.05, 16: 575.28}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--precisions", "f16"], "--precisions: f16"),
+        (["--dry-run", "--threads", "0"], "--threads=0"),
+        ([], "--llamacpp DIR is needed"),
+        (["--llamacpp", "/nonexistent"], "no bin/llama-batched-bench"),
+    ],
+)
+def test_bad_arguments_get_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    with pytest.raises(SystemExit):
+        _module(monkeypatch).parse_args(argv)
+    assert message in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""int8 weight-only decode for the inference commands: the C kernel against the scheme's reference, the kernel
+choice by CPU capability, the engine over int8 weights against the engine over their dequantized fp32 copy, and
+the `quant` option's checks (LLM, CLI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain import kernels
+from posttrain.cli import main as cli_main
+from posttrain.engine import LLM, SamplingParams
+from posttrain.errors import PosttrainError
+from posttrain.quant import QuantizedLinear, dequantize_model
+from posttrain.quant.inference import quantize_for_inference, weight_bytes
+from posttrain.quant.linear import NATIVE_MAX_ROWS
+from tests.numeric import REORDER_RTOL, reorder_rtol
+from tests.quant.tiny import char_tokenizer, tiny_model, write_tiny_dir
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
+
+
+def int8_layer(out_features: int, in_features: int, seed: int = 0) -> QuantizedLinear:
+    torch.manual_seed(seed)
+    return QuantizedLinear.from_linear(torch.nn.Linear(in_features, out_features, bias=False), "int8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 5, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(64, 576), (30, 100)])  # 30 rows: a last block of 2; K = 100: a tail of 4
+def test_native_int8_kernel_matches_the_reference(rows: int, shape: tuple[int, int]):
+    layer = int8_layer(*shape)
+    x = torch.randn(rows, shape[1])
+    assert layer.kernel_for(x).name == "cpu_int8_native"  # tests/conftest.py pins an AVX2 CPU (no fast bf16)
+    y = layer(x)
+    weight = layer.dequantize()
+    reference = torch.nn.functional.linear(x, weight)  # the scheme's exact semantics
+    # One sum of K products in another order (and the scale applied after it, not to each weight: one rounding
+    # more per term), relative to the size of the terms.
+    bound = reorder_rtol(2, shape[1]) * (x.abs() @ weight.abs().t()).max()
+    assert (y - reference).abs().max() <= bound
+
+
+def test_kernel_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch):
+    layer = int8_layer(64, 576)
+    decode, prefill = torch.randn(2, 576), torch.randn(NATIVE_MAX_ROWS + 1, 576)
+    if kernels.library() is not None:
+        assert layer.kernel_for(decode).name == "cpu_int8_native"
+    assert layer.kernel_for(prefill).name == "cpu_int8_bf16"  # past decode sizes: torch's kernel
+    monkeypatch.setenv("POSTTRAIN_CPU_FEATURES", "avx2,avx512f,avx512_bf16")  # fast bf16: torch's kernel throughout
+    assert layer.kernel_for(decode).name == "cpu_int8_bf16"
+    asym = QuantizedLinear.from_linear(torch.nn.Linear(576, 64, bias=False), "int8-asym")
+    monkeypatch.setenv("POSTTRAIN_CPU_FEATURES", "avx2")
+    assert asym.kernel_for(decode).name != "cpu_int8_native"  # the C kernel has no zero point
+
+
+@needs_kernels
+def test_int8_engine_matches_the_engine_over_the_dequantized_weights(tmp_path):
+    """Quantization at load time changes the weights, nothing else: the int8 engine's greedy tokens and logprobs
+    are those of the fp32 engine over the same weights dequantized, within float rounding."""
+    path = write_tiny_dir(tmp_path / "tiny")
+    int8 = LLM(str(path), quant="int8", num_kv_blocks=64, block_size=4)
+    assert all(isinstance(m, QuantizedLinear) for n, m in int8.engine.model.named_modules() if n.endswith("_proj"))
+    dequantized = dequantize_model(quantize_for_inference(tiny_model(), "int8"))
+    fp32 = LLM(dequantized, char_tokenizer(), num_kv_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+    prompts = ["hello there", "2+2=", "x"]
+    for got, want in zip(int8.generate(prompts, params), fp32.generate(prompts, params)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert abs(a - b) <= REORDER_RTOL * max(1.0, abs(b))
+
+
+def test_int8_weights_take_about_a_quarter_of_the_bytes():
+    model = tiny_model()
+    embedding = model.embed_tokens.weight.numel() * 4 + sum(p.numel() * 4 for p in model.parameters() if p.dim() == 1)
+    before = weight_bytes(model) - embedding
+    after = weight_bytes(quantize_for_inference(model, "int8")) - embedding
+    linear_weights = before // 4  # fp32 values of the decoder linears
+    assert after == linear_weights + 4 * sum(m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_quant_refuses_a_live_module_and_unknown_schemes(tmp_path):
+    with pytest.raises(PosttrainError, match="live module"):
+        LLM(tiny_model(), char_tokenizer(), quant="int8")
+    with pytest.raises(PosttrainError, match="quant='int4'"):
+        LLM(str(tmp_path / "unused"), quant="int4")  # checked before anything loads
+
+
+def test_generate_cli_takes_quant(tmp_path, capsys):
+    path = write_tiny_dir(tmp_path / "tiny")
+    argv = ["generate", "--model", str(path), "--prompt", "hi", "--raw", "--max-tokens", "3", "--temperature", "0"]
+    assert cli_main([*argv, "--quant", "int8"]) == 0
+    assert cli_main([*argv, "--quant", "fp8"]) != 0
+    assert "quant='fp8'" in capsys.readouterr().err
