@@ -105,7 +105,33 @@ def test_a_failing_rollout_thread_stops_the_run_with_one_error(tmp_path: Path, t
     cfg = load_config(GRPOConfig, None, overrides)
     with pytest.raises(RolloutWorkerError, match="failed while collecting step 3: OSError: the reward sandbox is gone"):
         train_grpo(cfg, model=tiny_model(tok), tokenizer=tok)
-    assert (tmp_path / "fail" / "checkpoints" / "step-2").is_dir() or any((tmp_path / "fail").rglob("step-2*"))
+    checkpoints = tmp_path / "fail" / "checkpoints"
+    assert (checkpoints / "step-2" / "model.safetensors").is_file() and not (checkpoints / "step-3").exists()
+
+
+def test_resume_collects_the_next_step_again_from_the_checkpoint(tmp_path: Path, tok) -> None:
+    """In-flight samples are not saved: the checkpoint after step 1 holds the prompt source as it was before step
+    2's draws (although the rollout thread had drawn them already), and a resumed async run collects step 2 again,
+    seeded, at the checkpoint's weights: the step 2 a sync run resumed from its own step-1 checkpoint takes (step 1
+    is the same in both: its samples are on-policy)."""
+    tis = ("train.off_policy.mode=tis", "optim.lr=1e-2", "train.max_steps=2")
+    resumed = {}
+    for name, mode in (("async", ("rollout.mode=async",)), ("sync", ("rollout.seed_prompts=true",))):
+        first = rl_overrides(tmp_path, f"first-{name}", "train.save_every=1", *tis, *mode)
+        train_grpo(load_config(GRPOConfig, None, first), model=tiny_model(tok), tokenizer=tok)
+        checkpoint = tmp_path / f"first-{name}" / "checkpoints" / "step-1"
+        overrides = rl_overrides(tmp_path, f"resumed-{name}", f"resume={checkpoint}", *tis, *mode)
+        run = setup_run(load_config(GRPOConfig, None, overrides), "grpo", model=tiny_model(tok), tokenizer=tok)
+        assert run.start_step == 1
+        try:
+            resumed[name] = rl_step(run, 2)
+        finally:
+            if run.async_rollout is not None:
+                run.async_rollout.close()
+    for key in LOSS_KEYS:
+        if key in resumed["sync"]:
+            assert math.isclose(resumed["async"][key], resumed["sync"][key], rel_tol=0, abs_tol=1e-6), key
+    assert resumed["async"]["async/staleness_0"] == resumed["async"]["num_samples"]
 
 
 def test_a_hanging_rollout_thread_times_out(tmp_path: Path, tok, monkeypatch) -> None:
