@@ -22,6 +22,7 @@ weights (so its first step is the one a k = 0 run would take from that checkpoin
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from typing import Any
@@ -39,6 +40,7 @@ from posttrain.rollout.staleness import split_stale, staleness_metrics
 from posttrain.trainers.rl.config import RLConfig, batch_sizes
 
 REFILL_SEED_OFFSET = 1 << 23  # refill seeds of a step: past its prompts' (collect.prompt_seed_base)
+logger = logging.getLogger("posttrain.trainers")
 
 
 def updates_per_step(cfg: RLConfig) -> int:
@@ -109,6 +111,15 @@ class AsyncRollout:
         self.threads_before = torch.get_num_threads()
         threads = cfg.rollout.async_threads or max(1, self.threads_before // 2)
         torch.set_num_threads(threads)
+        updates, k = updates_per_step(cfg), cfg.rollout.max_staleness
+        if 0 < k < updates:
+            logger.warning(
+                "posttrain: rollout.max_staleness=%d is less than the %d optimizer steps (policy versions) of one RL "
+                "step, so the rollout cannot run ahead of the update; rollout.max_staleness=%d overlaps one step",
+                k,
+                updates,
+                updates,
+            )
         self.producer = ThreadedProducer(
             collect,
             first_step=first_step,

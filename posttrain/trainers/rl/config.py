@@ -559,6 +559,11 @@ def validate_config(cfg: RLConfig) -> None:
         "graph cannot replay: set rollout.engine.cuda_graphs=false (or dist.rollout_weights=whole)",
     )
     _need(
+        not (cfg.rollout.mode == "async" and cfg.lora is not None and cfg.lora.dropout > 0),
+        f"rollout.mode=async with lora.dropout={cfg.lora.dropout if cfg.lora else 0}: the rollout thread's forwards "
+        "run while the update holds the module in training mode, where LoRA dropout is on; set lora.dropout=0",
+    )
+    _need(
         not (cfg.train.off_policy.mode == "decoupled" and cfg.train.old_logprobs == "rollout"),
         "train.off_policy.mode=decoupled needs pi_old recomputed by the trainer (the proximal policy): "
         "train.old_logprobs must be auto or recompute, not rollout",
