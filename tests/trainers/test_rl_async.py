@@ -76,6 +76,7 @@ def test_k1_never_trains_on_older_samples(tmp_path: Path, tok, monkeypatch) -> N
         assert record["async/staleness_0"] + record["async/staleness_1"] == record["num_samples"]
         assert record["policy_version"] - record["rollout_policy_version"] <= 2  # used at version - 1 at most
         assert "off_policy/weight_mean" in record  # auto: TIS on for stale samples
+        assert 0 <= record["async/weight_sync_s"] < 60
     # With a slow update the next step's batch was drawn while the update ran: one version old.
     assert sum(r["async/staleness_1"] for r in records[1:]) > 0
 
