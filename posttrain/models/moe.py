@@ -152,7 +152,10 @@ class MoEBlock(nn.Module):
         flat = x.reshape(-1, shape[-1])  # (N, d)
         logits = self.gate(flat)  # (N, E)
         weights, experts = self.route(logits, self.moe, self.gate.e_score_correction_bias)  # (N, k) each
-        self.last_routing = Routing(logits, experts)
+        # The engine's forwards (inference mode; in asynchronous RL another thread's, during the update) do not
+        # record: the routing the update's router loss reads is its own forward's.
+        if not torch.is_inference_mode_enabled():
+            self.last_routing = Routing(logits, experts)
         out = self._routed(flat, weights.to(x.dtype), experts)
         if self.moe.shared_expert_intermediate_size:
             shared = getattr(self, self.shared_name)(flat)

@@ -28,6 +28,10 @@ class _Sample:
     finish_reason: str = "stop"
     policy_version: int = 0
 
+    @property
+    def token_policy_versions(self) -> list[int]:
+        return [self.policy_version] * len(self.token_ids)
+
 
 @dataclass
 class _Output:

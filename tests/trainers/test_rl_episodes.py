@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,29 @@ def test_the_example_config_loads_its_environment_and_fits_its_prompts() -> None
         assert len(options.chat.opening_ids(env.reset(row))) <= cfg.rollout.max_prompt_tokens
     held_out = [json.loads(line) for line in (root / "examples/data/calculator/test.jsonl").read_text().splitlines()]
     assert len(held_out) == 200 and all(int(r["answer"]) > 0 and r["question"] for r in held_out)
+
+
+def test_async_episodes_record_a_version_per_token_within_the_bound(tmp_path: Path, data: Path, monkeypatch) -> None:
+    """rollout.mode=async on episodes: every token of an episode carries a version (observations: the model token's
+    before them), the update sees no sample older than max_staleness, and the episodes' metrics come through."""
+    run = _setup(_config(tmp_path, data, "async", "rollout.mode=async", "rollout.max_staleness=1"))
+    seen = []
+    original = prepare_batch
+
+    def keep(run_, batch):
+        seen.append((run_.llm.policy_version, batch))
+        time.sleep(0.2)  # a slow update: the rollout thread runs ahead meanwhile
+        return original(run_, batch)
+
+    monkeypatch.setattr("posttrain.trainers.rl.step.prepare_batch", keep)
+    try:
+        for step in (1, 2, 3):
+            metrics = rl_step(run, step)
+            assert metrics["async/staleness_max"] <= 1 and math.isfinite(metrics["env/turns"])
+    finally:
+        run.async_rollout.close()
+    for version, batch in seen:
+        for ids, versions, mask in zip(batch.completion_ids, batch.token_versions, batch.completion_mask):
+            assert len(versions) == len(ids) == len(mask)
+            assert versions == sorted(versions)  # weights only move forward while an episode runs
+            assert min(v for v, m in zip(versions, mask) if m) >= version - 1
