@@ -199,6 +199,13 @@ class LLM:
         return self.engine.policy_version
 
     @property
+    def weights_lock(self) -> Any:
+        """The lock every engine step holds (a threading.RLock): hold it while changing the weights from another
+        thread, and call `weights_updated()` before releasing it, so no forward ever reads half-updated weights
+        and the tokens drawn after it record the new version."""
+        return self.engine.weights_lock
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the engine's forwards compute in: its weights' (the logprobs it returns are fp32 either way)."""
         return self.engine.compute_dtype

@@ -7,6 +7,7 @@ tokenizer, when one is given); the scheduler, block manager and runner see token
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config, self.num_blocks)
         self.eos_token_ids = self._eos_token_ids()
         self.policy_version = 0
+        # Held by every step (its forward reads the weights) and by `weights_updated`; a trainer that updates the
+        # weights while another thread steps the engine holds it around its optimizer step and the
+        # weights_updated() after it, so weights change only between engine steps, never inside a forward.
+        self.weights_lock = threading.RLock()
         self.requests: dict[str, _Request] = {}
         self.asleep = False
         self.num_steps = 0
@@ -196,6 +201,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report finished (and streaming) requests."""
+        with self.weights_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_unfinished():  # cannot happen: check_request refuses what cannot fit
@@ -282,6 +291,7 @@ class LLMEngine:
             self._start_output(request, seq)
         seq.token_ids.append(token)
         seq.output_logprobs.append(logprob)
+        seq.output_policy_versions.append(self.policy_version)
         if top is not None:
             seq.output_top_logprobs.append(top)
         num_out = seq.num_output_tokens
@@ -362,6 +372,7 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     policy_version=seq.policy_version,
+                    token_policy_versions=list(seq.output_policy_versions),
                 )
             )
         prompt_logprobs = request.prompt_logprobs
@@ -381,13 +392,16 @@ class LLMEngine:
 
     def weights_updated(self) -> int:
         """The module's weights changed in place: forget every cached prefix, recompute the K/V of running
-        sequences under the new weights, and bump the policy version. Returns the new version."""
-        self.scheduler.preempt_all()
-        self.block_manager.reset_prefix_cache()
-        self.runner.drop_graphs()  # captured graphs hold parameter addresses, which an update may change
-        self.runner.release_packed_weights()
-        self.policy_version += 1
-        return self.policy_version
+        sequences under the new weights, and bump the policy version. Returns the new version. The tokens those
+        sequences drew so far keep the version they were drawn under (`CompletionOutput.token_policy_versions`);
+        no block computed under the old weights is ever served again."""
+        with self.weights_lock:
+            self.scheduler.preempt_all()
+            self.block_manager.reset_prefix_cache()
+            self.runner.drop_graphs()  # captured graphs hold parameter addresses, which an update may change
+            self.runner.release_packed_weights()
+            self.policy_version += 1
+            return self.policy_version
 
     def sleep(self) -> None:
         """Free the KV pool (and the prefix cache with it). Only between requests."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     """One sample. `logprobs[i]` is log_softmax(logits / T)[token_ids[i]] over the full vocabulary (see
     docs/engine.md); None unless the request asked for logprobs. `policy_version`: the engine's weight
-    version when this sample's first token was drawn."""
+    version when this sample's first token was drawn; `token_policy_versions[i]`: the version under which
+    token_ids[i] was drawn (they differ when the weights change while the sample runs)."""
 
     index: int
     text: str
@@ -19,6 +20,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) | "length" | "abort"; None: running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     policy_version: int | None = None
+    token_policy_versions: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

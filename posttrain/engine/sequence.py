@@ -47,6 +47,9 @@ class Sequence:
         self.generator = generator
         self.num_forks = num_forks
         self.output_logprobs: list[float] = []
+        # Per generated token: the engine's policy version when it was drawn (weights may change between
+        # engine steps while a sequence runs: asynchronous RL's in-flight updates).
+        self.output_policy_versions: list[int] = []
         self.output_top_logprobs: list[Any] = []
         # Set by the engine on a request's first sequence when it asks for prompt logprobs (a PromptLogprobs,
         # filled as the prompt is prefilled); forks never get one: the parent computed them before forking.
@@ -105,4 +108,5 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
         child.policy_version = self.policy_version
+        child.output_policy_versions = list(self.output_policy_versions)
         return child

@@ -22,7 +22,11 @@ class RolloutBatch:
     texts: list[str]  # per sample
     rollout_logprobs: list[list[float]]  # per sample: the engine's log softmax(z / T) of each token
     finish_reasons: list[str]  # per sample
-    policy_versions: list[int]  # per sample
+    policy_versions: list[int]  # per sample: the oldest version among its sampled tokens
+    # Per sample, per completion token (aligned with completion_ids): the engine's policy version under which the
+    # token was drawn. Episodes: an observation token carries the version of the model token before it (it was not
+    # sampled; the staleness of a sample is read over its sampled tokens only, see rollout.staleness).
+    token_versions: list[list[int]] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # (B,) after shaping; NaN = unscorable
     task_rewards: torch.Tensor | None = None  # (B,) before the overlong penalty
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -41,6 +45,16 @@ class RolloutBatch:
     @property
     def num_samples(self) -> int:
         return len(self.completion_ids)
+
+    def token_version_tensor(self) -> torch.Tensor:
+        """(B, L) long: `token_versions` padded on the right with the sample's last version (L = the longest
+        completion); a sample with no token holds its `policy_versions` entry."""
+        L = max((len(ids) for ids in self.completion_ids), default=0)
+        out = torch.zeros(self.num_samples, L, dtype=torch.long)
+        for b, versions in enumerate(self.token_versions):
+            row = list(versions) or [self.policy_versions[b]]
+            out[b] = torch.tensor(row + [row[-1]] * (L - len(row)), dtype=torch.long)[:L]
+        return out
 
     def group_completions(self) -> list[list[list[int]]]:
         G = self.group_size
@@ -67,6 +81,7 @@ class RolloutBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             finish_reasons=pick(self.finish_reasons),
             policy_versions=pick(self.policy_versions),
+            token_versions=pick(self.token_versions),
             rewards=pick(self.rewards),
             task_rewards=pick(self.task_rewards),
             per_function={k: pick(v) for k, v in self.per_function.items()},
@@ -99,6 +114,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
                 "rollout_logprobs",
                 "finish_reasons",
                 "policy_versions",
+                "token_versions",
                 "rewards",
                 "task_rewards",
             )

@@ -117,7 +117,7 @@ def episodes_to_batch(
 ) -> RolloutBatch:
     """G consecutive episodes per group (see the module docstring)."""
     prompt_ids, rows = [], []
-    completion_ids, masks, logprobs = [], [], []
+    completion_ids, masks, logprobs, token_versions = [], [], [], []
     for g in range(len(episodes) // G):
         group = episodes[g * G : (g + 1) * G]
         shared = _common_prefix([e.prompt_ids for e in group])
@@ -128,6 +128,8 @@ def episodes_to_batch(
             completion_ids.append(own + e.ids)
             masks.append([0] * len(own) + e.model_mask)
             logprobs.append([0.0] * len(own) + e.logprobs)
+            first = e.token_versions[0] if e.token_versions else min(e.policy_versions, default=-1)
+            token_versions.append([first] * len(own) + e.token_versions)
     return RolloutBatch(
         group_size=G,
         rows=rows,
@@ -137,6 +139,7 @@ def episodes_to_batch(
         rollout_logprobs=logprobs,
         finish_reasons=["length" if e.truncated else "stop" for e in episodes],
         policy_versions=[min(e.policy_versions, default=-1) for e in episodes],
+        token_versions=token_versions,
         completion_mask=masks,
         completion_messages=[e.completion_messages for e in episodes],
         env_rewards=[episode_reward(e, truncated_reward) for e in episodes],

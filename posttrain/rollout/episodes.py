@@ -65,6 +65,8 @@ class Episode:
     model_mask: list[int] = field(default_factory=list)  # per id: 1 sampled by the model, 0 observation
     logprobs: list[float] = field(default_factory=list)  # per id: the engine's; 0.0 (unused) on observations
     policy_versions: list[int] = field(default_factory=list)  # per model turn
+    # per id: the version its token was drawn under; an observation token repeats the model token's before it
+    token_versions: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)  # the environment's per-step rewards, when given
     counts: Counter = field(default_factory=Counter)  # the environment's event counts, summed over its steps
     num_turns: int = 0
@@ -225,6 +227,7 @@ class EpisodeRunner:
         episode.model_mask += [1] * len(sample.token_ids)
         episode.logprobs += list(sample.logprobs)
         episode.policy_versions.append(sample.policy_version if sample.policy_version is not None else -1)
+        episode.token_versions += list(sample.token_policy_versions)
         if sample.finish_reason != "stop":  # no end-of-turn token: cut off by max_tokens or the episode's budget
             full = len(episode.ids) >= self.limits.max_episode_tokens
             self._end(pool, episode, "max_episode_tokens" if full else "turn_length")
@@ -256,6 +259,7 @@ class EpisodeRunner:
         episode.ids += delta
         episode.model_mask += [0] * len(delta)
         episode.logprobs += [0.0] * len(delta)
+        episode.token_versions += [episode.token_versions[-1] if episode.token_versions else -1] * len(delta)
         self._request(episode)
 
 

@@ -32,7 +32,7 @@ def generate_groups(
         per_row = [replace(params, seed=seed) for seed in seeds]
     with lockstep():
         outputs = llm.generate([row[PROMPT_KEY] for row in rows], per_row, use_tqdm=use_tqdm)
-    completion_ids, texts, logprobs, reasons, versions = [], [], [], [], []
+    completion_ids, texts, logprobs, reasons, versions, token_versions = [], [], [], [], [], []
     for output in outputs:
         for sample in output.outputs:
             completion_ids.append(list(sample.token_ids))
@@ -40,6 +40,7 @@ def generate_groups(
             logprobs.append(list(sample.logprobs or []))
             reasons.append(sample.finish_reason or "length")
             versions.append(sample.policy_version if sample.policy_version is not None else -1)
+            token_versions.append(list(sample.token_policy_versions))
     return RolloutBatch(
         group_size=params.n,
         rows=list(rows),
@@ -49,4 +50,5 @@ def generate_groups(
         rollout_logprobs=logprobs,
         finish_reasons=reasons,
         policy_versions=versions,
+        token_versions=token_versions,
     )

@@ -123,6 +123,18 @@ class RolloutSection:
     # samples then depend on nothing else, so a data-parallel run samples what a single process would.
     # false: the requests draw from torch's generator (restored on resume; seeded train.seed + rank).
     seed_prompts: bool = False
+    # sync: generate, score, update, one after the other. async: the rollout of the next step(s) runs in its own
+    # thread while the update runs (docs/rl.md "Asynchronous rollouts"); prompts are then always seeded as with
+    # seed_prompts, so a step's samples do not depend on thread timing.
+    mode: Literal["sync", "async"] = "sync"
+    # async: a sample is used at policy version v only if every token it sampled was drawn at a version >= v - k
+    # (a version is one optimizer step). 0: on-policy (the same samples as sync). The rollout runs
+    # max_staleness // (optimizer steps per RL step) steps ahead of the update.
+    max_staleness: int = 1
+    # async: torch's intra-op threads while both sides run (one count for the process: torch keeps one);
+    # null: half of torch's threads at the start (at least 1), so the two sides together fill the cores.
+    async_threads: int | None = None
+    async_timeout_s: float = 600.0  # async: the trainer stops with an error when no batch comes within this
     # The engine over the live policy. max_model_len and max_num_seqs left at their defaults are set
     # from max_prompt_tokens + max_tokens and max(batch, data.eval_size) (a KV pool that fits, no more).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -132,6 +144,18 @@ class RolloutSection:
             _need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _positive("temperature", self.temperature)  # 0 would make the logprobs of sampling meaningless
         _need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _need(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r}")
+        _need(
+            isinstance(self.max_staleness, int)
+            and not isinstance(self.max_staleness, bool)
+            and self.max_staleness >= 0,
+            f"max_staleness must be an integer >= 0 (policy versions), got {self.max_staleness!r}",
+        )
+        _need(
+            self.async_threads is None or self.async_threads >= 1,
+            f"async_threads must be >= 1 or null, got {self.async_threads}",
+        )
+        _positive("async_timeout_s", self.async_timeout_s)
 
 
 @dataclass

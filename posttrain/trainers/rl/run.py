@@ -34,6 +34,7 @@ from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.lifecycle import open_checkpointer
 from posttrain.trainers.optim import optimizer_for
+from posttrain.trainers.rl.async_rollout import AsyncRollout, StepPrompts, check_async
 from posttrain.trainers.rl.batch import PackedGroups, packed_forward
 from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
@@ -82,6 +83,7 @@ class RLRun:
     objective: ObjectiveParams | None = None  # set by setup_run: the update's loss hyperparameters
     rank_sizes: tuple[int, int, int] = (0, 0, 0)  # set by setup_run: (batch, minibatch, micro-batch) on this rank
     episodes: EpisodeGroups | None = None  # with an `env:` section: plays the rollout's episodes
+    async_rollout: AsyncRollout | None = None  # rollout.mode=async: the rollout thread, started by the first step
 
     @property
     def device(self) -> torch.device:
@@ -171,6 +173,9 @@ def setup_run(
     beside = {"value_head": value_head} if value_head is not None else None
     # Before the optimizer: FSDP2 replaces the Parameters by shards.
     parallel = Parallel(model, dist_section, ctx, beside=beside, compute_dtype=model_section.autocast_dtype(model))
+    check_async(cfg, parallel.world)
+    if cfg.rollout.mode == "async":  # checkpoints keep the prompts of steps not yet trained (StepPrompts)
+        source = StepPrompts(source)
     try:
         rank_sizes = rank_batch_sizes(
             cfg, parallel.world

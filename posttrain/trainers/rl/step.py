@@ -40,6 +40,8 @@ from posttrain.distributed.env import reduce_metrics
 from posttrain.rollout.collect import collect_rollout, prompt_seed_base
 from posttrain.rollout.episode_batch import episode_metrics
 from posttrain.rollout.generate import generate_groups
+from posttrain.rollout.producer import ProducedBatch
+from posttrain.trainers.rl.async_rollout import AsyncRollout, StepPrompts
 from posttrain.trainers.rl.config import batch_sizes
 from posttrain.trainers.rl.metrics import StepTimer, batch_metrics, peak_memory_gb
 from posttrain.trainers.rl.ppo import ppo_advantages, whiten_over_ranks
@@ -116,14 +118,13 @@ def _needs_old_pass(run: RLRun, num_samples: int) -> bool:
     return cfg.train.old_logprobs == "auto" and not single_update
 
 
-def rl_step(run: RLRun, step: int) -> dict[str, Any]:
-    """Rollout, rewards, advantages, updates; returns the step's metrics."""
-    cfg = run.cfg
-    timer = StepTimer()
-    step_start, cpu_start = time.perf_counter(), time.process_time()
-    parallel = run.parallel
+def collect_step(run: RLRun, step: int) -> ProducedBatch:
+    """The step's scored rollout batch and the collection's metrics (in async mode: run by the rollout thread)."""
+    cfg, parallel = run.cfg, run.parallel
     sharded = parallel is not None and parallel.wrapped is not None
-    world = parallel.world if parallel is not None else 1
+    if isinstance(run.source, StepPrompts):
+        run.source.begin_step(step)
+    seeded = cfg.rollout.seed_prompts or cfg.rollout.mode == "async"  # async: never on thread timing
     with rollout_weights(run) as lockstep:  # FSDP2: whole weights, or layer by layer in lockstep
         batch, stats = collect_rollout(
             run.llm,
@@ -135,12 +136,10 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
             run.algo.dynamic_sampling,
             cfg.dapo.max_refill_rounds,
             shard=parallel.shard if sharded else None,
-            seed_base=prompt_seed_base(cfg.train.seed, step) if cfg.rollout.seed_prompts else None,
+            seed_base=prompt_seed_base(cfg.train.seed, step) if seeded else None,
             lockstep=lockstep,
             generate=run.episodes or generate_groups,
         )
-    timer.seconds["rollout"] = stats.rollout_s
-    timer.seconds["reward"] = stats.reward_s
     metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
     if run.episodes is not None:
         metrics.update(episode_metrics(run.episodes.take_log()))
@@ -156,8 +155,36 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
             }
         )
     metrics["tokens/rollout_per_s"] = stats.generated_tokens / max(stats.rollout_s, 1e-9)
+    return ProducedBatch(step, batch, stats, metrics)
+
+
+def _step_done(run: RLRun, step: int, metrics: dict[str, Any]) -> None:
+    """Async mode: the producer may go on past `step`; the busy / idle shares join the step's metrics."""
+    if run.async_rollout is not None:
+        metrics.update(run.async_rollout.step_done(step))
+
+
+def rl_step(run: RLRun, step: int) -> dict[str, Any]:
+    """Rollout, rewards, advantages, updates; returns the step's metrics."""
+    cfg = run.cfg
+    timer = StepTimer()
+    step_start, cpu_start = time.perf_counter(), time.process_time()
+    parallel = run.parallel
+    sharded = parallel is not None and parallel.wrapped is not None
+    world = parallel.world if parallel is not None else 1
+    if run.async_rollout is None and cfg.rollout.mode == "async":  # started by the first step (of a resumed run too)
+        run.async_rollout = AsyncRollout(run, step, lambda s: collect_step(run, s))
+    if run.async_rollout is not None:
+        produced, async_metrics = run.async_rollout.take(step)
+    else:
+        produced, async_metrics = collect_step(run, step), {}
+    batch, stats = produced.batch, produced.stats
+    timer.seconds["rollout"] = stats.rollout_s
+    timer.seconds["reward"] = stats.reward_s
+    metrics: dict[str, Any] = {**produced.metrics, **async_metrics}
     if batch is None:  # dynamic sampling left no group with a learning signal
         metrics.update({"skipped": 1, "time/step_s": time.perf_counter() - step_start, **timer.metrics()})
+        _step_done(run, step, metrics)
         return metrics
     metrics.update(batch_metrics(batch))
     data = prepare_batch(run, batch)
@@ -187,6 +214,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     metrics["tokens/train_per_s"] = train_tokens / max(timer.seconds["update"], 1e-9)
     metrics["policy_version"] = run.llm.policy_version
     metrics["rollout_policy_version"] = min(batch.policy_versions)
+    _step_done(run, step, metrics)
     metrics["optimizer_steps"] = run.optimizer_steps
     metrics["time/step_s"] = time.perf_counter() - step_start
     # CPU seconds of the whole process (all threads): on a shared machine, wall time says more about the

@@ -8,6 +8,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
     # ranks stay in step with no reduction; rank 0 writes.
     # Episodes: the same runner as the rollout's, greedy, one episode per held-out row, with its own log.
     episodes = EpisodeGroups(run.episodes.options) if run.episodes is not None else None
-    with rollout_weights(run) as lockstep:
+    engine_alone = run.async_rollout.producer.exclusive() if run.async_rollout is not None else nullcontext()
+    with engine_alone, rollout_weights(run) as lockstep:
         metrics, samples = evaluate(
             run.llm,
             run.held_out,
@@ -149,7 +151,12 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             if run.logger is not None:
                 run.logger.log(0, before)
             summary["accuracy_before"] = before["eval/accuracy"]
-        step = _run_steps(run, started, eval_s, desc=f"{command} ({run.algo.name})")
+        try:
+            step = _run_steps(run, started, eval_s, desc=f"{command} ({run.algo.name})")
+        finally:  # async: the rollout thread stops (after its batch in flight) before the engine is used again
+            if run.async_rollout is not None:
+                run.async_rollout.close()
+                run.async_rollout = None
         summary["steps"] = step
         if run.held_out:
             after = _evaluate(run, step)

@@ -221,12 +221,17 @@ def _optimizer_step(run: RLRun, step: int, out: dict[str, float], tokens: float,
     minibatch_loss = sums.pop("loss")
     means.add(sums, tokens)
     lr = run.scheduler.get_last_lr()[0]
-    grad_norm, applied = optimizer_step(run.optimizer, run.scheduler, run.cfg.optim.max_grad_norm, loss=minibatch_loss)
+    # The weights change between two engine steps (a rollout thread may be stepping the engine: async mode), and
+    # the tokens drawn after this record the new version.
+    with run.llm.weights_lock:
+        grad_norm, applied = optimizer_step(
+            run.optimizer, run.scheduler, run.cfg.optim.max_grad_norm, loss=minibatch_loss
+        )
+        run.llm.weights_updated()  # the engine's next forward runs on the new weights
     if run.guard is not None:
         run.guard.record(step, applied, minibatch_loss, grad_norm)
     means.add({"loss": minibatch_loss, "grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not applied)}, 1.0)
     run.optimizer_steps += 1
-    run.llm.weights_updated()  # the engine's next rollout runs on the new weights
 
 
 def _trained_packs(run: RLRun, data: StepBatch, adv: Tensor) -> list[TrainedPack]:

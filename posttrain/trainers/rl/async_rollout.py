@@ -1,0 +1,173 @@
+"""Asynchronous rollouts in one process (`rollout.mode: async`): the engine collects the next step(s) in its own
+thread (`rollout.producer.ThreadedProducer`) while the update runs on the same module.
+
+The trainer side, per step: take the batch collected for the step, split off the groups with a sample older than
+`rollout.max_staleness` versions (`rollout.staleness`), regenerate those groups now (the engine to the trainer
+alone, at the current weights, seeded from the step), and report the staleness histogram, the drops and the share
+of wall time each side was busy. After the update, tell the producer it may go on.
+
+Threads: torch keeps one intra-op thread count for the whole process, so both sides run with
+`rollout.async_threads` (default: half of torch's threads, at least 1) while the run is asynchronous; with two
+cores, one thread each. The count is restored when the run ends.
+
+Determinism and resume: every prompt is seeded from (train.seed, step, its place), as rollout.seed_prompts does,
+so a step's samples depend on the weights they are drawn under and on nothing else (not on thread timing). With
+k = 0 the weights are those of the previous step, as in sync mode: the run is the sync run. With k >= 1 the
+versions tokens are drawn under depend on how the two sides interleave, as in every asynchronous RL stack. In-flight
+samples are not saved: a checkpoint keeps the prompt source as it was before the first step not yet trained
+(`StepPrompts`), and a resumed run collects that step again, from the same prompts and seeds, at the checkpoint's
+weights (so its first step is the one a k = 0 run would take from that checkpoint, whatever k).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any
+
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.rollout.batch import RolloutBatch, concat_batches
+from posttrain.rollout.collect import prompt_seed_base
+from posttrain.rollout.generate import generate_groups
+from posttrain.rollout.producer import ProducedBatch, ThreadedProducer
+from posttrain.rollout.prompts import PromptSource
+from posttrain.rollout.scoring import score_groups
+from posttrain.rollout.staleness import split_stale, staleness_metrics
+from posttrain.trainers.rl.config import RLConfig, batch_sizes
+
+REFILL_SEED_OFFSET = 1 << 23  # refill seeds of a step: past its prompts' (collect.prompt_seed_base)
+
+
+def updates_per_step(cfg: RLConfig) -> int:
+    """Optimizer steps (policy versions) per RL step: epochs x minibatches."""
+    batch, minibatch, _ = batch_sizes(cfg)
+    return cfg.train.epochs * (batch // minibatch)
+
+
+def lead_steps(cfg: RLConfig) -> int:
+    """How many steps the rollout may run ahead of the update: max_staleness // updates_per_step."""
+    return cfg.rollout.max_staleness // updates_per_step(cfg)
+
+
+def check_async(cfg: RLConfig, world: int) -> None:
+    """The in-process asynchronous mode runs one process; ConfigError otherwise."""
+    if cfg.rollout.mode == "async" and world > 1:
+        raise ConfigError(
+            f"rollout.mode=async runs the rollout in a thread of one process; this run has {world} processes "
+            "(torchrun): run it as one process, or rollout.mode=sync"
+        )
+
+
+class StepPrompts:
+    """A prompt source whose checkpoint state is where it stood before the first step not yet trained, although
+    the rollout thread has drawn the prompts of later steps already (a resumed run draws them again)."""
+
+    def __init__(self, source: PromptSource) -> None:
+        self.source = source
+        self.reward = getattr(source, "reward", "")
+        self._before: dict[int, dict[str, Any]] = {}  # step -> the source's state before its first draw
+        self._next_step = 1  # the first step not yet trained
+        self._lock = threading.Lock()
+
+    def begin_step(self, step: int) -> None:
+        with self._lock:
+            self._before[step] = copy.deepcopy(self.source.state_dict())
+
+    def trained(self, step: int) -> None:
+        with self._lock:
+            self._next_step = step + 1
+            for old in [s for s in self._before if s <= step]:
+                del self._before[old]
+
+    def sample(self, n: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return self.source.sample(n)
+
+    def held_out(self, n: int) -> list[dict[str, Any]]:
+        return self.source.held_out(n)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            before = self._before.get(self._next_step)
+            return copy.deepcopy(before) if before is not None else self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self.source.load_state_dict(state)
+            self._before.clear()
+
+
+class AsyncRollout:
+    """The producer of a run in async mode, its thread setting, and the per-step staleness and timing metrics."""
+
+    def __init__(self, run: Any, first_step: int, collect: Any) -> None:
+        cfg = run.cfg
+        self.run = run
+        self.threads_before = torch.get_num_threads()
+        threads = cfg.rollout.async_threads or max(1, self.threads_before // 2)
+        torch.set_num_threads(threads)
+        self.producer = ThreadedProducer(
+            collect,
+            first_step=first_step,
+            last_step=cfg.train.max_steps,
+            lead=lead_steps(cfg),
+            timeout_s=cfg.rollout.async_timeout_s,
+        )
+        self.waited_s = 0.0  # the update side waiting for a batch since the last step's metrics
+        self.mark = time.perf_counter()
+        self.busy_mark = 0.0
+
+    def take(self, step: int) -> tuple[ProducedBatch, dict[str, float]]:
+        """The step's batch with its stale groups regenerated, and the async/* metrics."""
+        waited = time.perf_counter()
+        produced = self.producer.get(step)
+        self.waited_s += time.perf_counter() - waited
+        if produced.batch is None:
+            return produced, {}
+        run, k = self.run, self.run.cfg.rollout.max_staleness
+        split = split_stale(produced.batch, run.llm.policy_version, k)
+        used = split.used_staleness
+        if split.stale_groups:
+            fresh = produced.batch.select_groups(split.fresh_groups)
+            with self.producer.exclusive():
+                refill = regenerate_groups(run, step, produced.batch.select_groups(split.stale_groups))
+            produced.batch = concat_batches([b for b in (fresh, refill) if b.num_groups])
+            used = used + [0] * refill.num_samples
+        dropped = len(split.stale_groups) * produced.batch.group_size
+        return produced, staleness_metrics(used, k, dropped)
+
+    def step_done(self, step: int) -> dict[str, float]:
+        """Let the producer go on past `step`; the share of wall time each side was busy since the last call."""
+        self.producer.update_done(step)
+        if isinstance(self.run.source, StepPrompts):
+            self.run.source.trained(step)
+        now = time.perf_counter()
+        wall = max(now - self.mark, 1e-9)
+        busy = self.producer.timing().busy_s
+        rollout_busy = min((busy - self.busy_mark) / wall, 1.0)
+        update_busy = max(1.0 - self.waited_s / wall, 0.0)
+        self.mark, self.busy_mark, self.waited_s = now, busy, 0.0
+        return {
+            "async/rollout_busy_frac": rollout_busy,
+            "async/rollout_idle_frac": 1.0 - rollout_busy,
+            "async/update_busy_frac": update_busy,
+            "async/update_idle_frac": 1.0 - update_busy,
+        }
+
+    def close(self) -> None:
+        self.producer.close()
+        torch.set_num_threads(self.threads_before)
+
+
+def regenerate_groups(run: Any, step: int, stale: RolloutBatch) -> RolloutBatch:
+    """The stale groups' rows sampled again now, at the current weights, seeded from the step (refill seeds), and
+    scored. The caller holds the engine (`producer.exclusive()`)."""
+    cfg, n = run.cfg, run.params.n
+    base = prompt_seed_base(cfg.train.seed, step) + REFILL_SEED_OFFSET
+    seeds = [base + g * n for g in range(stale.num_groups)]
+    generate = run.episodes or generate_groups
+    batch = generate(run.llm, stale.rows, run.params, seeds)
+    return score_groups(batch, run.specs, run.overlong)
