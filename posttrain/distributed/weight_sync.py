@@ -24,6 +24,7 @@ from torch import nn
 
 SYNC_WHICH = ("trainable", "all")
 DEFAULT_BUCKET_MB = 64.0
+STOP = -1  # the version `send_stop` sends: no weights follow, the receivers stop
 
 
 def synced_parameters(model: nn.Module, which: Literal["trainable", "all"] = "trainable") -> list[nn.Parameter]:
@@ -104,11 +105,18 @@ class WeightBroadcast:
             self._broadcast(flat)
         return SyncStats(time.perf_counter() - start, self.bytes, version)
 
+    def send_stop(self) -> None:
+        """On `src`: tell the receivers that no more weights come (their `receive` returns version STOP)."""
+        self._version(STOP)
+
     @torch.no_grad()
     def receive(self) -> SyncStats:
-        """On the other ranks: overwrite the tensors in place with `src`'s; returns the version they are."""
+        """On the other ranks: overwrite the tensors in place with `src`'s; returns the version they are (STOP,
+        with nothing received, after `send_stop`)."""
         start = time.perf_counter()
-        version = self._version(-1)
+        version = self._version(STOP)
+        if version == STOP:
+            return SyncStats(time.perf_counter() - start, 0, STOP)
         for bucket in self.buckets:
             flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             self._broadcast(flat)
