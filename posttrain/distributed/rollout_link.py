@@ -9,13 +9,21 @@ W ranks (link rank = global rank) for the rollout batches (pickled into uint8 te
 weights (broadcast from the trainer; on CUDA over an NCCL group of the same ranks).
 
 Faults: every wait on the other side is bounded by `dist.rollout_timeout_s`; a rank that died (its sockets
-closed) or hangs past that raises `RolloutRankError` naming the rank and what was awaited.
+closed) or hangs past that raises `RolloutRankError` naming the rank and what was awaited. torchrun itself
+stops every process (SIGTERM) as soon as one exits: the trainer turns that signal into a `RolloutRankError` too
+(`stop_on_sigterm`), naming the rollout ranks whose processes are gone (each sent its host and pid at the
+start), so a run stops with one line saying which rank ended, wherever the trainer was (a checkpoint being
+written is left unfinished, as a partial directory: the last complete one stays the last).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
+import socket
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -42,6 +50,7 @@ class RolloutLink:
     group: dist.ProcessGroup  # gloo, every rank
     weights_group: dist.ProcessGroup  # the group the weights go over: `group` on CPU, NCCL on CUDA
     _pending: list[Any] = field(default_factory=list)  # sends not yet known to be delivered
+    peers: dict[int, tuple[str, int]] = field(default_factory=dict)  # trainer: rollout rank -> (host, pid)
 
     @property
     def trainer_rank(self) -> int:
@@ -103,6 +112,52 @@ class RolloutLink:
                 self.flush(dst, what)
             return obj
         return self.recv_object(self.trainer_rank, what)
+
+    def introduce(self) -> None:
+        """Rollout ranks: send this process's host and pid to the trainer; the trainer: receive them (`peers`)."""
+        if self.is_rollout:
+            self.send_object((socket.gethostname(), os.getpid()), self.trainer_rank, "introducing this rank")
+            self.flush(self.trainer_rank, "introducing this rank")
+            return
+        for rank in self.rollout_ranks:
+            self.peers[rank] = self.recv_object(rank, "its introduction")
+
+    def gone_ranks(self) -> list[int]:
+        """The rollout ranks on this host whose processes no longer exist."""
+        host = socket.gethostname()
+        gone = []
+        for rank, (peer_host, pid) in self.peers.items():
+            if peer_host != host:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone.append(rank)
+            except PermissionError:  # alive, someone else's
+                pass
+        return gone
+
+    @contextlib.contextmanager
+    def stop_on_sigterm(self, on_stop: Callable[[], None]) -> Iterator[None]:
+        """Inside (the trainer's main thread): torchrun's SIGTERM calls `on_stop` and raises `RolloutRankError`
+        naming the rollout ranks that are gone. Elsewhere (another thread) a no-op."""
+
+        def stopped(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, previous)  # once: a second signal ends the process as before
+            on_stop()
+            gone = [f"rollout rank {r} (pid {self.peers[r][1]}) exited" for r in self.gone_ranks()]
+            what = "; ".join(gone) if gone else "another process of the run exited"
+            raise RolloutRankError(f"{what}; torchrun stopped the run (see its report for the exit code)")
+
+        try:
+            previous = signal.signal(signal.SIGTERM, stopped)
+        except ValueError:  # not the main thread
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def join_with_rollout_ranks(num_rollout: int, timeout_s: float, device_type: str) -> tuple[DistContext, RolloutLink]:

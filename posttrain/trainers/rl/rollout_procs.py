@@ -85,9 +85,7 @@ class Share:
 # ----------------------------------------------------------------------------- the rollout ranks
 
 
-def _collect(
-    cfg: RLConfig, side: _RolloutSide, ctx: DistContext, step: int
-) -> ProducedBatch:
+def _collect(cfg: RLConfig, side: _RolloutSide, ctx: DistContext, step: int) -> ProducedBatch:
     """This rank's share of step `step` (places ctx.rank, ctx.rank + M, ...), scored, with the collection's
     metrics (those of `step.collect_step`)."""
     shard = (lambda items: list(items[ctx.rank :: ctx.world_size])) if ctx.world_size > 1 else None
@@ -183,6 +181,7 @@ def serve_rollouts(
     until the trainer says stop. Returns the run directory (the trainer's)."""
     side = _rollout_side(cfg, model, tokenizer, **env_args)
     start = link.broadcast_object(None, "the run's start (start step, prompt state)")
+    link.introduce()
     side.source.load_state_dict(start["source_state"])
     sync = WeightBroadcast(synced_parameters(side.model), link.weights_group)
     _take_weights(sync, side.llm)  # the trainer's weights at the start (a resumed run's, or its adapters' init)
@@ -248,6 +247,7 @@ class ProcessProducer:
             "lead": lead,
         }
         self._guarded(lambda: link.broadcast_object(start, "the run's start"))
+        self._guarded(link.introduce)
         self.sync = WeightBroadcast(synced_parameters(run.model), link.weights_group)
         self._guarded(lambda: self.sync.send(run.llm.policy_version))
 
@@ -301,6 +301,9 @@ class ProcessRollout:
     def __init__(self, run: RLRun, link: RolloutLink) -> None:
         self.run = run
         self.max_staleness = run.cfg.rollout.max_staleness if run.cfg.rollout.mode == "async" else 0
+        # Until close: torchrun's SIGTERM (another process exited) stops the run with a RolloutRankError.
+        self._signals = contextlib.ExitStack()
+        self._signals.enter_context(link.stop_on_sigterm(on_stop=self._stopped))
         self.producer = ProcessProducer(run, link, run.start_step + 1, run_lead(run.cfg))
         self.waited_s = 0.0
         self.mark = time.perf_counter()
@@ -341,5 +344,13 @@ class ProcessRollout:
             metrics.update(self.producer.last_sync.metrics())
         return metrics
 
+    def _stopped(self) -> None:
+        producer = getattr(self, "producer", None)
+        if producer is not None:
+            producer.failed = True  # the rollout side is gone: close() waits on nothing
+
     def close(self) -> None:
-        self.producer.close()
+        try:
+            self.producer.close()
+        finally:
+            self._signals.close()

@@ -1,0 +1,66 @@
+"""Rollout processes (dist.rollout_ranks=1, torchrun with 2 processes): rank 0 trains, rank 1 only generates on its
+own copy of the weights, which rank 0 broadcasts after every step.
+
+With rollout.max_staleness=0 the run is the one-process sync run: the same samples (every prompt seeded from its
+place), the same losses and the same final weights (<= 1e-6; the trainer computes exactly what one process
+does, on the broadcast-exact copy's samples). A rollout process that dies or hangs stops the trainer with one
+line naming the rank, and the checkpoints written before stay whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.metrics import read_metrics
+from posttrain.trainers.rl import train_grpo
+from posttrain.trainers.rl.config import GRPOConfig
+from tests.distributed.launch import final_weights, max_difference, torchrun
+from tests.distributed.rl_setup import rl_overrides
+
+SAMPLED = ("num_samples", "reward/mean", "response_len/mean")
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory) -> list[str]:
+    """3 steps of 4 prompts x 4 samples (rollout.seed_prompts: the sync run samples what the rollout rank does)."""
+    return rl_overrides(
+        tmp_path_factory.mktemp("procs"),
+        "rollout.samples_per_prompt=4",
+        "train.micro_batch_size=4",
+        "train.max_steps=3",
+    )
+
+
+def test_a_rollout_process_at_staleness_0_gives_the_sync_run(overrides, tmp_path):
+    sync = train_grpo(load_config(GRPOConfig, None, [*overrides, f"out={tmp_path / 'sync'}"]))
+    out = tmp_path / "procs"
+    async_k0 = ["rollout.mode=async", "rollout.max_staleness=0", "dist.rollout_ranks=1"]
+    torchrun(2, ["grpo", *overrides, f"out={out}", *async_k0])
+    got, want = read_metrics(out), read_metrics(sync)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for mine, theirs in zip(got, want):
+        for key in ("loss", "grad_norm", *SAMPLED):
+            assert abs(mine[key] - theirs[key]) <= 1e-6, (mine["step"], key, mine[key], theirs[key])
+        # drawn at the trainer's version, the whole model sent after every update
+        assert mine["async/staleness_0"] == mine["num_samples"] == 16 and mine["async/stale_dropped"] == 0
+        assert mine["async/weight_sync_mb"] > 0 and mine["async/weight_sync_s"] >= 0
+    assert max_difference(final_weights(out), final_weights(sync)) <= 1e-6
+
+
+@pytest.mark.parametrize("fault", ["die", "hang"])
+def test_a_failed_rollout_process_stops_the_trainer_with_its_rank_and_whole_checkpoints(fault, overrides, tmp_path):
+    out = tmp_path / "run"
+    # The rollout rank fails as it starts step 3: the trainer has finished step 1 (checkpointed) and step 2.
+    argv = [fault, "3", "grpo", *overrides, f"out={out}", "dist.rollout_ranks=1", "train.save_every=1"]
+    done = torchrun(2, [*argv, "dist.rollout_timeout_s=5"], module="tests.distributed.rollout_faults", should_fail=True)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, done.stderr[-4000:]
+    what = "exited" if fault == "die" else "timed out"
+    assert errors[0].startswith("error: rollout rank 1") and what in errors[0], errors[0]
+    checkpoints = sorted((out / "checkpoints").iterdir())
+    assert out / "checkpoints" / "step-1" in checkpoints
+    for path in checkpoints:  # every checkpoint directory is a whole one (a save cut short stays a partial one)
+        if path.name.startswith("step-"):
+            assert (path / "COMMITTED").is_file() and (path / "model.safetensors").is_file(), path
