@@ -8,8 +8,6 @@ line naming the rank, and the checkpoints written before stay whole."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from posttrain.config import load_config
