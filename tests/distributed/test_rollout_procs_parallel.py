@@ -1,7 +1,7 @@
 """Rollout processes (dist.rollout_ranks=1, torchrun with 2 processes): rank 0 trains, rank 1 only generates on its
 own copy of the weights, which rank 0 broadcasts after every step.
 
-With rollout.max_staleness=0 the run is the one-process sync run: the same samples (every prompt seeded from its
+With rollout.max_staleness=0 the run is the one-process sync run (grpo and ppo): the same samples (every prompt seeded from its
 place), the same losses and the same final weights (<= 1e-6; the trainer computes exactly what one process
 does, on the broadcast-exact copy's samples). A rollout process that dies or hangs stops the trainer with one
 line naming the rank, and the checkpoints written before stay whole."""
@@ -9,13 +9,15 @@ line naming the rank, and the checkpoints written before stay whole."""
 from __future__ import annotations
 
 import pytest
+from safetensors.torch import load_file
 
 from posttrain.config import load_config
 from posttrain.metrics import read_metrics
-from posttrain.trainers.rl import train_grpo
-from posttrain.trainers.rl.config import GRPOConfig
+from posttrain.trainers.rl import train_grpo, train_ppo
+from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
+from posttrain.trainers.rl.ppo import VALUE_HEAD_FILE
 from tests.distributed.launch import final_weights, max_difference, torchrun
-from tests.distributed.rl_setup import rl_overrides
+from tests.distributed.rl_setup import LR, rl_overrides
 
 SAMPLED = ("num_samples", "reward/mean", "response_len/mean")
 
@@ -31,20 +33,31 @@ def overrides(tmp_path_factory) -> list[str]:
     )
 
 
-def test_a_rollout_process_at_staleness_0_gives_the_sync_run(overrides, tmp_path):
-    sync = train_grpo(load_config(GRPOConfig, None, [*overrides, f"out={tmp_path / 'sync'}"]))
+# PPO: 2 samples per prompt in 2 minibatches (two optimizer steps, two versions, per step; the no-grad pass for
+# pi_old and V runs), the value head at the policy's rate.
+PPO = ["rollout.samples_per_prompt=2", "train.epochs=1", "train.minibatch_size=4", f"ppo.value_lr={LR}"]
+
+
+@pytest.mark.parametrize("command", ["grpo", "ppo"])
+def test_a_rollout_process_at_staleness_0_gives_the_sync_run(command, overrides, tmp_path):
+    argv = [*overrides, *(PPO if command == "ppo" else [])]
+    train, config = (train_grpo, GRPOConfig) if command == "grpo" else (train_ppo, PPOConfig)
+    sync = train(load_config(config, None, [*argv, f"out={tmp_path / 'sync'}"]))
     out = tmp_path / "procs"
     async_k0 = ["rollout.mode=async", "rollout.max_staleness=0", "dist.rollout_ranks=1"]
-    torchrun(2, ["grpo", *overrides, f"out={out}", *async_k0])
+    torchrun(2, [command, *argv, f"out={out}", *async_k0])
     got, want = read_metrics(out), read_metrics(sync)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
     for mine, theirs in zip(got, want):
         for key in ("loss", "grad_norm", *SAMPLED):
             assert abs(mine[key] - theirs[key]) <= 1e-6, (mine["step"], key, mine[key], theirs[key])
         # drawn at the trainer's version, the whole model sent after every update
-        assert mine["async/staleness_0"] == mine["num_samples"] == 16 and mine["async/stale_dropped"] == 0
+        assert mine["async/staleness_0"] == mine["num_samples"] and mine["async/stale_dropped"] == 0
         assert mine["async/weight_sync_mb"] > 0 and mine["async/weight_sync_s"] >= 0
     assert max_difference(final_weights(out), final_weights(sync)) <= 1e-6
+    if command == "ppo":
+        heads = [load_file(str(run / "final" / VALUE_HEAD_FILE)) for run in (out, sync)]
+        assert max_difference(*heads) <= 1e-6
 
 
 @pytest.mark.parametrize("fault", ["die", "hang"])

@@ -18,26 +18,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from posttrain.distributed.weight_sync import WeightBroadcast, synced_parameters
-from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig, apply_lora, lora_state_dict
+from tests.data.tiny import tiny_model_config
 
 STEPS = 3
 
 
 def _model(seed: int, lora: bool, adapter_seed: int) -> Transformer:
-    cfg = ModelConfig(
-        model_type="llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        head_dim=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_model_config(vocab_size=128)  # a tied LM head: sent once
     torch.manual_seed(seed)
     model = Transformer(cfg)
     if lora:

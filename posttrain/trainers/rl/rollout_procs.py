@@ -39,7 +39,7 @@ from posttrain.distributed.weight_sync import STOP, SyncStats, WeightBroadcast, 
 from posttrain.engine import LLM
 from posttrain.rollout.batch import concat_batches
 from posttrain.rollout.collect import RolloutStats, collect_rollout, prompt_seed_base
-from posttrain.rollout.episode_batch import EpisodeGroups, episode_metrics
+from posttrain.rollout.episode_batch import EpisodeGroups
 from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch, ProducerTiming
 from posttrain.rollout.prompts import make_prompt_source
@@ -48,6 +48,7 @@ from posttrain.trainers.adapters import prepare_trainable
 from posttrain.trainers.rl.async_rollout import lead_steps, regenerate_groups
 from posttrain.trainers.rl.config import RLConfig, resolve_algorithm, validate_tree
 from posttrain.trainers.rl.env_section import episode_options
+from posttrain.trainers.rl.metrics import collection_metrics
 from posttrain.trainers.rl.run import (
     RLRun,
     engine_config,
@@ -102,19 +103,7 @@ def _collect(cfg: RLConfig, side: _RolloutSide, ctx: DistContext, step: int) -> 
         seed_base=prompt_seed_base(cfg.train.seed, step),
         generate=side.episodes or generate_groups,
     )
-    metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
-    if side.episodes is not None:
-        metrics.update(episode_metrics(side.episodes.take_log()))
-    if side.dynamic_sampling:
-        metrics.update(
-            {
-                "dapo/refill_rounds": stats.refill_rounds,
-                "dapo/extra_prompts": stats.extra_prompts,
-                "dapo/dropped_groups": stats.dropped_groups,
-                "dapo/kept_groups": batch.num_groups if batch is not None else 0,
-            }
-        )
-    metrics["tokens/rollout_per_s"] = stats.generated_tokens / max(stats.rollout_s, 1e-9)
+    metrics = collection_metrics(stats, batch, side.dynamic_sampling, side.episodes)
     return ProducedBatch(step, batch, stats, metrics)
 
 
