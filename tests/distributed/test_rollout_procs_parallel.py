@@ -4,7 +4,8 @@ own copy of the weights, which rank 0 broadcasts after every step.
 With rollout.max_staleness=0 the run is the one-process sync run (grpo and ppo): the same samples (every prompt seeded from its
 place), the same losses and the same final weights (<= 1e-6; the trainer computes exactly what one process
 does, on the broadcast-exact copy's samples). A rollout process that dies or hangs stops the trainer with one
-line naming the rank, and the checkpoints written before stay whole."""
+line naming the rank, the checkpoints written before stay whole, and one resumes into the step the trainer took
+next (the checkpoint keeps the prompt state the rollout rank sent)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,12 @@ def test_a_failed_rollout_process_stops_the_trainer_with_its_rank_and_whole_chec
     for path in checkpoints:  # every checkpoint directory is a whole one (a save cut short stays a partial one)
         if path.name.startswith("step-"):
             assert (path / "COMMITTED").is_file() and (path / "model.safetensors").is_file(), path
+    if fault == "hang":  # the trainer logged step 2 before it waited for step 3 (a dead rank may cut it short)
+        # The checkpoint holds the prompt source as the rollout rank left it after step 1: one process resumed from
+        # it takes the step 2 the trainer took (the same prompts, hence samples, rewards and loss).
+        resume = [f"out={tmp_path / 'resumed'}", f"resume={out / 'checkpoints' / 'step-1'}", "train.max_steps=2"]
+        resumed = read_metrics(train_grpo(load_config(GRPOConfig, None, [*overrides, *resume])))
+        taken = [r for r in read_metrics(out) if r["step"] == 2]
+        assert [r["step"] for r in resumed] == [2] and len(taken) == 1
+        for key in ("loss", *SAMPLED):
+            assert abs(resumed[0][key] - taken[0][key]) <= 1e-6, (key, resumed[0][key], taken[0][key])

@@ -36,13 +36,15 @@ from torch import nn
 from posttrain.distributed.env import DistContext
 from posttrain.distributed.rollout_link import RolloutLink, join_with_rollout_ranks
 from posttrain.distributed.weight_sync import STOP, SyncStats, WeightBroadcast, synced_parameters
-from posttrain.engine import LLM
+from posttrain.engine import LLM, SamplingParams
+from posttrain.rewards import RewardSpec
 from posttrain.rollout.batch import concat_batches
 from posttrain.rollout.collect import RolloutStats, collect_rollout, prompt_seed_base
 from posttrain.rollout.episode_batch import EpisodeGroups
 from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch, ProducerTiming
-from posttrain.rollout.prompts import make_prompt_source
+from posttrain.rollout.prompts import PromptSource, make_prompt_source
+from posttrain.rollout.scoring import OverlongShaping
 from posttrain.rollout.staleness import split_stale, staleness_metrics
 from posttrain.trainers.adapters import prepare_trainable
 from posttrain.trainers.rl.async_rollout import lead_steps, regenerate_groups
@@ -80,10 +82,21 @@ class Share:
     step: int
     produced: ProducedBatch
     source_state: dict[str, Any]  # the prompt source after the step's draws (every rollout rank draws alike)
-    version: int  # the policy version the share was drawn under
 
 
 # ----------------------------------------------------------------------------- the rollout ranks
+
+
+@dataclass
+class _RolloutSide:
+    model: nn.Module
+    llm: LLM
+    source: PromptSource
+    specs: list[RewardSpec]
+    params: SamplingParams
+    overlong: OverlongShaping | None
+    dynamic_sampling: bool
+    episodes: EpisodeGroups | None
 
 
 def _collect(cfg: RLConfig, side: _RolloutSide, ctx: DistContext, step: int) -> ProducedBatch:
@@ -105,18 +118,6 @@ def _collect(cfg: RLConfig, side: _RolloutSide, ctx: DistContext, step: int) -> 
     )
     metrics = collection_metrics(stats, batch, side.dynamic_sampling, side.episodes)
     return ProducedBatch(step, batch, stats, metrics)
-
-
-@dataclass
-class _RolloutSide:
-    model: nn.Module
-    llm: LLM
-    source: Any
-    specs: list[Any]
-    params: Any
-    overlong: Any
-    dynamic_sampling: bool
-    episodes: EpisodeGroups | None
 
 
 def _rollout_side(cfg: RLConfig, model: nn.Module | None, tokenizer: Any, **env_args: Any) -> _RolloutSide:
@@ -180,7 +181,7 @@ def serve_rollouts(
     while True:
         if step <= cfg.train.max_steps and step - 1 - lead <= held:
             produced = _collect(cfg, side, ctx, step)
-            share = Share(step, produced, side.source.state_dict(), side.llm.policy_version)
+            share = Share(step, produced, side.source.state_dict())
             link.send_object(share, link.trainer_rank, f"sending step {step}'s rollout")
             step += 1
             continue
