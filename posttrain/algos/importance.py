@@ -6,10 +6,14 @@ The behaviour policy is whatever produced the samples and their logprobs: the ro
     log r_t = log pi_old(y_t) - log mu(y_t)                                  per token
     log r   = sum_t mask_t * log r_t                                         per sequence (the product of ratios)
 
-Two corrections (`CORRECTIONS`), each per token or per sequence (`LEVELS`; a sequence's weight is broadcast to
-its tokens):
+Three corrections (`CORRECTIONS`), each per token or per sequence (`LEVELS`; a sequence's weight is broadcast to
+its tokens; decoupled: per token only, as AReaL):
 - "tis", truncated IS:  w = min(r, cap)                                   (verl rollout_is, TRL *_truncate)
 - "mis", masked IS:     w = 1 if low <= r <= high else 0                  (verl rollout_rs, TRL *_mask)
+- "decoupled", AReaL's behaviour weight: w = r if r <= cap else 0        (AReaL use_decoupled_loss with
+  behav_imp_weight_cap = cap). With pi_old the proximal policy (recomputed by the trainer at the weights the update
+  starts from), the clipped loss around it times this weight is AReaL's decoupled PPO objective
+  (`posttrain.algos.decoupled`).
   A masked token keeps its place in the loss's normaliser, as in TRL (whose masked weight is 0); verl takes it
   out of the response mask instead, which changes the normaliser only. MIS leaves in-range samples unweighted,
   as verl's rejection sampling does (TRL's *_mask keeps the ratio r as their weight).
@@ -51,7 +55,7 @@ LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"token": token_log_rati
 class OffPolicyParams:
     """Which correction, at which level, with which bounds."""
 
-    mode: str  # CORRECTIONS key: tis | mis
+    mode: str  # CORRECTIONS key: tis | mis | decoupled
     level: str = "token"  # LEVELS key
     cap: float = 2.0  # tis: the largest weight (verl's rollout_is_threshold default)
     low: float | None = None  # mis: the smallest ratio kept; None: 1 / high (verl's default)
@@ -62,6 +66,10 @@ class OffPolicyParams:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(CORRECTIONS)}")
         if self.level not in LEVELS:
             raise ValueError(f"level {self.level!r} is not one of {', '.join(LEVELS)}")
+        if self.mode == "decoupled" and self.level != "token":
+            raise ValueError(
+                "the decoupled correction weighs each token (AReaL's behaviour weight): level must be token"
+            )
         if not self.cap > 0:
             raise ValueError(f"cap must be > 0, got {self.cap}")
         if not self.high > 0 or (self.low is not None and not 0 <= self.low <= self.high):
@@ -85,11 +93,23 @@ def masked_weights(log_ratio: Tensor, params: OffPolicyParams) -> tuple[Tensor, 
     return (~outside).to(log_ratio.dtype), outside
 
 
+def behaviour_weights(log_ratio: Tensor, params: OffPolicyParams) -> tuple[Tensor, Tensor]:
+    """Decoupled (AReaL): (r where r <= cap else 0, where r exceeded cap). (B, T) -> (B, T), (B, T) bool."""
+    ratio = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    over = ratio > params.cap
+    return torch.where(over, torch.zeros_like(ratio), ratio), over
+
+
 CORRECTIONS: dict[str, Callable[[Tensor, OffPolicyParams], tuple[Tensor, Tensor]]] = {
     "tis": truncated_weights,
     "mis": masked_weights,
+    "decoupled": behaviour_weights,
 }
-AFFECTED_METRIC = {"tis": "off_policy/truncated_frac", "mis": "off_policy/masked_frac"}
+AFFECTED_METRIC = {
+    "tis": "off_policy/truncated_frac",
+    "mis": "off_policy/masked_frac",
+    "decoupled": "off_policy/masked_frac",
+}
 
 
 @torch.no_grad()

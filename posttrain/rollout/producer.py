@@ -173,8 +173,10 @@ class ThreadedProducer:
         return ProducerTiming(self._timing.busy_s, self._timing.idle_s)
 
     def close(self) -> None:
+        """Stop after the collection in flight (waiting for it at most `timeout_s`: a hung thread is left behind,
+        a daemon)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout=self.timeout_s)

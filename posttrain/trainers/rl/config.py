@@ -163,17 +163,25 @@ class OffPolicySection:
     """`train.off_policy`: importance-sampling correction of pi_old against the engine's logprobs (the behaviour
     policy), posttrain.algos.importance. ratio = pi_old / pi_engine, per token or per sequence (the product)."""
 
-    # auto: none while the engine computes in the update's dtype; tis per token (cap) when they differ (a bf16
-    # update over an fp32 engine on a fast-bf16 CPU, say). tis: weight min(ratio, cap). mis: tokens (or whole
-    # sequences) whose ratio is outside [low, high] leave the loss. none: off.
-    mode: Literal["auto", "none", "tis", "mis"] = "auto"
+    # auto: none while the engine computes in the update's dtype and samples are on-policy; tis per token (cap) when
+    # they differ (a bf16 update over an fp32 engine on a fast-bf16 CPU, say) or when rollout.mode=async with
+    # max_staleness >= 1 (stale samples). tis: weight min(ratio, cap). mis: tokens (or whole sequences) whose ratio
+    # is outside [low, high] leave the loss. decoupled: AReaL's decoupled PPO (the clip around pi_old, recomputed
+    # by the trainer as the proximal policy; the ratio as a weight, tokens with ratio > cap dropped; per token).
+    # none: off.
+    mode: Literal["auto", "none", "tis", "mis", "decoupled"] = "auto"
     level: Literal["token", "sequence"] = "token"
     cap: float = 2.0  # tis
     low: float | None = None  # mis; null: 1 / high
     high: float = 2.0  # mis
 
     def validate(self) -> None:
-        _need(self.mode in ("auto", "none", "tis", "mis"), f"mode must be auto, none, tis or mis, got {self.mode!r}")
+        modes = ("auto", "none", "tis", "mis", "decoupled")
+        _need(self.mode in modes, f"mode must be one of {', '.join(modes)}, got {self.mode!r}")
+        _need(
+            self.mode != "decoupled" or self.level == "token",
+            "mode decoupled weighs each token (AReaL's behaviour weight): level must be token",
+        )
         self.params("tis")  # the bounds, checked whatever the mode
 
     def params(self, mode: str) -> OffPolicyParams:
@@ -233,14 +241,15 @@ class RLTrainSection:
             "set train.tis_cap or train.off_policy, not both (tis_cap C is off_policy {mode: tis, cap: C})",
         )
 
-    def off_policy_params(self, rollout_mismatch: bool) -> OffPolicyParams | None:
+    def off_policy_params(self, rollout_mismatch: bool, stale: bool = False) -> OffPolicyParams | None:
         """The correction the update applies; `rollout_mismatch`: the engine computes in another dtype than the
-        update (what mode auto turns token-level TIS on for)."""
+        update; `stale`: samples may be older than the update's weights (async, max_staleness >= 1). Mode auto
+        turns token-level TIS on for either."""
         section = self.off_policy
         if self.tis_cap is not None:
             return OffPolicyParams("tis", "token", cap=self.tis_cap)
         if section.mode == "auto":
-            return section.params("tis") if rollout_mismatch else None
+            return section.params("tis") if rollout_mismatch or stale else None
         return None if section.mode == "none" else section.params(section.mode)
 
 
@@ -472,12 +481,17 @@ def objective_params(cfg: RLConfig, algo: ResolvedAlgorithm, rollout_mismatch: b
         aggregation=algo.aggregation,
         max_len=completion_budget(cfg),
         loss_params=algo.loss_kwargs,
-        off_policy=cfg.train.off_policy_params(rollout_mismatch),
+        off_policy=cfg.train.off_policy_params(rollout_mismatch, stale=may_be_stale(cfg)),
         kl_estimator=cfg.kl.estimator,
         kl_coef=0.0 if cfg.kl.in_reward else cfg.kl.beta,
         entropy_coef=cfg.loss.entropy_coef,
         **value,
     )
+
+
+def may_be_stale(cfg: RLConfig) -> bool:
+    """Whether the update may train on samples drawn under older weights (async with max_staleness >= 1)."""
+    return cfg.rollout.mode == "async" and cfg.rollout.max_staleness > 0
 
 
 def completion_budget(cfg: RLConfig) -> int:
@@ -543,6 +557,11 @@ def validate_config(cfg: RLConfig) -> None:
         not (cfg.dist.rollout_weights == "per_layer" and cfg.rollout.engine.cuda_graphs),
         "dist.rollout_weights=per_layer all-gathers each layer inside every engine forward, which a captured CUDA "
         "graph cannot replay: set rollout.engine.cuda_graphs=false (or dist.rollout_weights=whole)",
+    )
+    _need(
+        not (cfg.train.off_policy.mode == "decoupled" and cfg.train.old_logprobs == "rollout"),
+        "train.off_policy.mode=decoupled needs pi_old recomputed by the trainer (the proximal policy): "
+        "train.old_logprobs must be auto or recompute, not rollout",
     )
     algo = resolve_algorithm(cfg)
     if algo.advantage in ("grpo", "dr_grpo", "rloo"):
