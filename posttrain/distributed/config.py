@@ -29,6 +29,13 @@ class DistSection:
     # generating. per_layer: FSDP2 gathers one decoder layer at a time inside every engine forward (the least
     # memory; all-gathers every step, and the ranks generate in lockstep). See docs/distributed.md.
     rollout_weights: Literal["whole", "per_layer"] = "whole"
+    # RL only: the last M of torchrun's processes are rollout processes, each generating on its own copy of the
+    # weights, which the trainer (rank 0, the one other process) broadcasts after every step (the LoRA adapters
+    # only, with LoRA). Launch with `--nproc M+1`. See docs/distributed.md "Rollout processes".
+    rollout_ranks: int = 0
+    # How long the trainer waits on a rollout process (a batch, a weight sync), and they on it, before stopping
+    # with an error naming the rank; a process that died is noticed sooner (its connection closes).
+    rollout_timeout_s: float = 600.0
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -46,3 +53,12 @@ class DistSection:
                 f"rollout_weights=per_layer gathers FSDP2's sharded layers and applies to strategy fsdp2 "
                 f"only (strategy is {self.strategy}, whose ranks hold whole weights)"
             )
+        if isinstance(self.rollout_ranks, bool) or not isinstance(self.rollout_ranks, int) or self.rollout_ranks < 0:
+            raise ValueError(f"rollout_ranks must be an integer >= 0, got {self.rollout_ranks!r}")
+        if self.rollout_ranks and self.strategy != "none":
+            raise ValueError(
+                f"rollout_ranks={self.rollout_ranks} trains on one process (rank 0): strategy must be none, "
+                f"got {self.strategy}"
+            )
+        if not self.rollout_timeout_s > 0:
+            raise ValueError(f"rollout_timeout_s must be > 0, got {self.rollout_timeout_s!r}")

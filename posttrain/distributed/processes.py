@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
@@ -47,6 +48,12 @@ def join_processes(dist: DistSection, model: PlacementT) -> tuple[DistContext, P
     device_type = torch.device(device).type
     if device_type == "cpu" and model.cpu_memory == "release":
         set_malloc_policy("release")  # before the weights load: their freed staging goes back too
+    if dist.rollout_ranks:  # the trainer beside rollout processes: one process of its own (distributed.rollout_link)
+        ctx = DistContext()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            model = dataclasses.replace(model, device=f"cuda:{local}")
+        return ctx, model
     ctx = init_distributed(dist.strategy, device_type)
     if dist.strategy != "none" and device_type == "cuda":
         model = dataclasses.replace(model, device=f"cuda:{ctx.local_rank}")

@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(
-    nproc: int, argv: list[str], timeout: float = 300, module: str = "posttrain"
+    nproc: int, argv: list[str], timeout: float = 300, module: str = "posttrain", should_fail: bool = False
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node nproc -m module argv` with this worktree's package, one thread
-    per process; fails the test with the ranks' output when it exits non-zero or runs past `timeout` seconds
-    (ranks out of step wait in a collective forever: torchrun and its ranks are then killed together).
-    module: posttrain's CLI, or a test's wrapper of it (tests/distributed/fp32_quant.py)."""
+    per process; fails the test with the ranks' output when it exits non-zero (zero, with `should_fail`) or runs
+    past `timeout` seconds (ranks out of step wait in a collective forever: torchrun and its ranks are then killed
+    together). module: posttrain's CLI, or a test's wrapper of it (tests/distributed/fp32_quant.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
@@ -48,7 +48,10 @@ def torchrun(
                 stderr = "(torchrun did not stop on SIGTERM)"
             raise AssertionError(f"{' '.join(cmd)} still running after {timeout}s:\n{stderr[-6000:]}") from None
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    if should_fail:
+        assert done.returncode != 0, f"{' '.join(cmd)} succeeded:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    else:
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
 
 

@@ -134,3 +134,23 @@ def test_per_layer_rollout_weights_need_fsdp2_and_no_cuda_graphs():
             GRPOConfig,
             overrides=["dist.strategy=fsdp2", "dist.rollout_weights=per_layer", "rollout.engine.cuda_graphs=true"],
         )
+
+
+def test_rollout_ranks_are_checked_by_key_and_need_the_matching_launch(monkeypatch):
+    from posttrain.distributed.rollout_link import join_with_rollout_ranks
+    from posttrain.trainers.rl.config import GRPOConfig
+
+    with pytest.raises(ConfigError, match="rollout_ranks must be an integer >= 0"):
+        load_config(GRPOConfig, None, ["dist.rollout_ranks=-1"])
+    with pytest.raises(ConfigError, match="rollout_ranks=1 trains on one process.*strategy must be none"):
+        load_config(GRPOConfig, None, ["dist.rollout_ranks=1", "dist.strategy=ddp"])
+    with pytest.raises(ConfigError, match="rollout_timeout_s must be > 0"):
+        load_config(GRPOConfig, None, ["dist.rollout_timeout_s=0"])
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"dist.rollout_ranks=2 runs rollout processes under torchrun.*--nproc 3"):
+        join_with_rollout_ranks(2, 60.0, "cpu")
+    for name, value in zip(TORCHRUN_VARS, ("0", "4", "0", "127.0.0.1", "29500")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="leaves 3 trainer processes.*--nproc 2"):
+        join_with_rollout_ranks(1, 60.0, "cpu")

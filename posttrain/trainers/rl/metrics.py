@@ -13,8 +13,33 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.rollout.episode_batch import episode_metrics
+
 if TYPE_CHECKING:
     from posttrain.rollout.batch import RolloutBatch
+    from posttrain.rollout.collect import RolloutStats
+    from posttrain.rollout.episode_batch import EpisodeGroups
+
+
+def collection_metrics(
+    stats: RolloutStats, batch: RolloutBatch | None, dynamic_sampling: bool, episodes: EpisodeGroups | None
+) -> dict[str, Any]:
+    """The metrics of a step's collection: zero-variance share, episodes' (their log is taken), DAPO's refills,
+    the rollout's token rate."""
+    metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
+    if episodes is not None:
+        metrics.update(episode_metrics(episodes.take_log()))
+    if dynamic_sampling:
+        metrics.update(
+            {
+                "dapo/refill_rounds": stats.refill_rounds,
+                "dapo/extra_prompts": stats.extra_prompts,
+                "dapo/dropped_groups": stats.dropped_groups,
+                "dapo/kept_groups": batch.num_groups if batch is not None else 0,
+            }
+        )
+    metrics["tokens/rollout_per_s"] = stats.generated_tokens / max(stats.rollout_s, 1e-9)
+    return metrics
 
 
 class StepTimer:

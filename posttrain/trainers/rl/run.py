@@ -116,6 +116,36 @@ def engine_config(cfg: RLConfig) -> EngineConfig:
     return engine
 
 
+def reward_specs(cfg: RLConfig, source: PromptSource) -> list[RewardSpec]:
+    """The reward functions of `reward:` (or the task's default), checked against the data's columns."""
+    env = getattr(cfg, "env", None)
+    if env is not None and not cfg.reward.functions and not getattr(source, "reward", ""):
+        return []  # the environment scores its episodes (an episode it leaves unscored is unscorable)
+    reward_weights = cfg.reward.weights or None  # [] with no functions: the task's default, weight 1
+    columns = data_columns(source, need_prompt=env is None)
+    return load_reward_specs(reward_names(cfg.reward, cfg.data, source), columns, reward_weights)
+
+
+def sampling_params(cfg: RLConfig) -> SamplingParams:
+    """The rollout's sampling: G samples per prompt, with the engine's logprobs of every token."""
+    return SamplingParams(
+        n=cfg.rollout.samples_per_prompt,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_tokens,
+        logprobs=True,
+    )
+
+
+def overlong_shaping(cfg: RLConfig, algo: ResolvedAlgorithm) -> OverlongShaping | None:
+    """DAPO's overlong penalty, when the algorithm has one; an episode's length is its turns' and observations':
+    not shaped."""
+    if not algo.overlong_penalty or getattr(cfg, "env", None) is not None:
+        return None
+    return OverlongShaping(cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor)
+
+
 def setup_run(
     cfg: RLConfig,
     command: str,
@@ -134,12 +164,7 @@ def setup_run(
     ctx, model_section = join_processes(dist_section, cfg.model)
     env = getattr(cfg, "env", None)
     source = make_prompt_source(cfg.data, whole_rows=env is not None)
-    reward_weights = cfg.reward.weights or None  # [] with no functions: the task's default, weight 1
-    columns = data_columns(source, need_prompt=env is None)
-    if env is not None and not cfg.reward.functions and not getattr(source, "reward", ""):
-        specs = []  # the environment scores its episodes (an episode it leaves unscored is unscorable)
-    else:
-        specs = load_reward_specs(reward_names(cfg.reward, cfg.data, source), columns, reward_weights)
+    specs = reward_specs(cfg, source)
     held_out = source.held_out(cfg.data.eval_size) if cfg.data.eval_size else []
     if (model is None) != (tokenizer is None):
         raise PosttrainError("pass both model= and tokenizer= (or neither, to load model.name_or_path)")
@@ -198,19 +223,8 @@ def setup_run(
     scheduler = scheduler_for(optimizer, optim, total)
     with parallel.rollout():  # no forward: the engine sizes its KV pool from the (gathered) parameters' dtype
         llm = LLM(model=model, tokenizer=tokenizer, config=engine_config(cfg))
-    params = SamplingParams(
-        n=cfg.rollout.samples_per_prompt,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_tokens=cfg.rollout.max_tokens,
-        logprobs=True,
-    )
-    overlong = None
-    if algo.overlong_penalty and env is None:  # an episode's length is its turns' and observations'; not shaped
-        overlong = OverlongShaping(
-            cfg.rollout.max_tokens, cfg.dapo.overlong_cache_len, cfg.dapo.overlong_penalty_factor
-        )
+    params = sampling_params(cfg)
+    overlong = overlong_shaping(cfg, algo)
     logger = open_metrics(run_dir, cfg) if is_main() else None
     run = RLRun(
         cfg,

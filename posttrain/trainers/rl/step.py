@@ -38,12 +38,11 @@ from torch import Tensor
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
 from posttrain.distributed.env import reduce_metrics
 from posttrain.rollout.collect import collect_rollout, prompt_seed_base
-from posttrain.rollout.episode_batch import episode_metrics
 from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch
 from posttrain.trainers.rl.async_rollout import AsyncRollout, StepPrompts
 from posttrain.trainers.rl.config import batch_sizes
-from posttrain.trainers.rl.metrics import StepTimer, batch_metrics, peak_memory_gb
+from posttrain.trainers.rl.metrics import StepTimer, batch_metrics, collection_metrics, peak_memory_gb
 from posttrain.trainers.rl.ppo import ppo_advantages, whiten_over_ranks
 from posttrain.trainers.rl.run import RLRun, rollout_weights
 from posttrain.trainers.rl.update import StepBatch, UpdateTargets, prepare_batch, scoring_pass, update_policy
@@ -140,21 +139,9 @@ def collect_step(run: RLRun, step: int) -> ProducedBatch:
             lockstep=lockstep,
             generate=run.episodes or generate_groups,
         )
-    metrics: dict[str, Any] = {"zero_variance_frac": stats.zero_variance_frac}
-    if run.episodes is not None:
-        metrics.update(episode_metrics(run.episodes.take_log()))
+    metrics = collection_metrics(stats, batch, run.algo.dynamic_sampling, run.episodes)
     if lockstep.active:  # engine forwards this rank ran only to take part in the others' gathers
         metrics["rollout/idle_forwards"] = lockstep.idle_forwards
-    if run.algo.dynamic_sampling:
-        metrics.update(
-            {
-                "dapo/refill_rounds": stats.refill_rounds,
-                "dapo/extra_prompts": stats.extra_prompts,
-                "dapo/dropped_groups": stats.dropped_groups,
-                "dapo/kept_groups": batch.num_groups if batch is not None else 0,
-            }
-        )
-    metrics["tokens/rollout_per_s"] = stats.generated_tokens / max(stats.rollout_s, 1e-9)
     return ProducedBatch(step, batch, stats, metrics)
 
 

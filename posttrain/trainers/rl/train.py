@@ -26,6 +26,7 @@ from posttrain.trainers.adapters import save_final_dir, save_final_parallel
 from posttrain.trainers.loop import run_steps
 from posttrain.trainers.rl.config import GRPOConfig, PPOConfig, RLConfig
 from posttrain.trainers.rl.ppo import save_value_head
+from posttrain.trainers.rl.rollout_procs import ProcessRollout, join_rollout_link, serve_rollouts
 from posttrain.trainers.rl.run import RLRun, rollout_weights, setup_run
 from posttrain.trainers.rl.step import rl_step
 
@@ -141,7 +142,14 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
     """Run the RL loop to max_steps or the time budget; returns the run directory. `env`: setup_run's make_env /
     parser (an environment given in Python)."""
     started = time.perf_counter()
+    link = None
+    if cfg.dist.rollout_ranks:  # rank 0 trains, the last ranks only generate (rollout_procs)
+        ctx, link = join_rollout_link(cfg)
+        if link.is_rollout:
+            return serve_rollouts(cfg, ctx, link, model=model, tokenizer=tokenizer, **env)
     run = setup_run(cfg, command, model=model, tokenizer=tokenizer, **env)
+    if link is not None:  # the trainer takes its batches from the rollout processes from the first step on
+        run.async_rollout = ProcessRollout(run, link)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
     try:
         eval_s = 0.0
