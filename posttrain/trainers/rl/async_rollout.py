@@ -102,31 +102,15 @@ class StepPrompts:
             self._before.clear()
 
 
-class AsyncRollout:
-    """The producer of a run in async mode, its thread setting, and the per-step staleness and timing metrics."""
+class StepConsumer:
+    """The trainer's side of a rollout producer (`rollout.producer`), in one process or beside rollout processes:
+    take each step's batch within the staleness bound (stale groups regenerated now, on the trainer's engine), tell
+    the producer when the update is done, and the async/* metrics (staleness, drops, busy and idle shares)."""
 
-    def __init__(self, run: Any, first_step: int, collect: Any) -> None:
-        cfg = run.cfg
+    def __init__(self, run: Any, producer: Any, max_staleness: int) -> None:
         self.run = run
-        self.threads_before = torch.get_num_threads()
-        threads = cfg.rollout.async_threads or max(1, self.threads_before // 2)
-        torch.set_num_threads(threads)
-        updates, k = updates_per_step(cfg), cfg.rollout.max_staleness
-        if 0 < k < updates:
-            logger.warning(
-                "posttrain: rollout.max_staleness=%d is less than the %d optimizer steps (policy versions) of one RL "
-                "step, so the rollout cannot run ahead of the update; rollout.max_staleness=%d overlaps one step",
-                k,
-                updates,
-                updates,
-            )
-        self.producer = ThreadedProducer(
-            collect,
-            first_step=first_step,
-            last_step=cfg.train.max_steps,
-            lead=lead_steps(cfg),
-            timeout_s=cfg.rollout.async_timeout_s,
-        )
+        self.producer = producer
+        self.max_staleness = max_staleness
         self.waited_s = 0.0  # the update side waiting for a batch since the last step's metrics
         self.mark = time.perf_counter()
         self.busy_mark = 0.0
@@ -138,7 +122,7 @@ class AsyncRollout:
         self.waited_s += time.perf_counter() - waited
         if produced.batch is None:
             return produced, {}
-        run, k = self.run, self.run.cfg.rollout.max_staleness
+        run, k = self.run, self.max_staleness
         split = split_stale(produced.batch, run.llm.policy_version, k)
         used = split.used_staleness
         if split.stale_groups:
@@ -153,8 +137,6 @@ class AsyncRollout:
     def step_done(self, step: int) -> dict[str, float]:
         """Let the producer go on past `step`; the share of wall time each side was busy since the last call."""
         self.producer.update_done(step)
-        if isinstance(self.run.source, StepPrompts):
-            self.run.source.trained(step)
         now = time.perf_counter()
         wall = max(now - self.mark, 1e-9)
         busy = self.producer.timing().busy_s
@@ -170,6 +152,42 @@ class AsyncRollout:
 
     def close(self) -> None:
         self.producer.close()
+
+
+class AsyncRollout(StepConsumer):
+    """The in-process producer of a run in async mode (a rollout thread) and its thread setting."""
+
+    def __init__(self, run: Any, first_step: int, collect: Any) -> None:
+        cfg = run.cfg
+        self.threads_before = torch.get_num_threads()
+        threads = cfg.rollout.async_threads or max(1, self.threads_before // 2)
+        torch.set_num_threads(threads)
+        updates, k = updates_per_step(cfg), cfg.rollout.max_staleness
+        if 0 < k < updates:
+            logger.warning(
+                "posttrain: rollout.max_staleness=%d is less than the %d optimizer steps (policy versions) of one RL "
+                "step, so the rollout cannot run ahead of the update; rollout.max_staleness=%d overlaps one step",
+                k,
+                updates,
+                updates,
+            )
+        producer = ThreadedProducer(
+            collect,
+            first_step=first_step,
+            last_step=cfg.train.max_steps,
+            lead=lead_steps(cfg),
+            timeout_s=cfg.rollout.async_timeout_s,
+        )
+        super().__init__(run, producer, k)
+
+    def step_done(self, step: int) -> dict[str, float]:
+        metrics = super().step_done(step)
+        if isinstance(self.run.source, StepPrompts):
+            self.run.source.trained(step)
+        return metrics
+
+    def close(self) -> None:
+        super().close()
         torch.set_num_threads(self.threads_before)
 
 

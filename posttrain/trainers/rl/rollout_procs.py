@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +44,8 @@ from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch, ProducerTiming
 from posttrain.rollout.prompts import PromptSource, make_prompt_source
 from posttrain.rollout.scoring import OverlongShaping
-from posttrain.rollout.staleness import split_stale, staleness_metrics
 from posttrain.trainers.adapters import prepare_trainable
-from posttrain.trainers.rl.async_rollout import lead_steps, regenerate_groups
+from posttrain.trainers.rl.async_rollout import StepConsumer, lead_steps
 from posttrain.trainers.rl.config import RLConfig, resolve_algorithm, validate_tree
 from posttrain.trainers.rl.env_section import episode_options
 from posttrain.trainers.rl.metrics import collection_metrics
@@ -284,52 +282,19 @@ class ProcessProducer:
                 self.link.recv_object(rank, "a rollout sent ahead")
 
 
-class ProcessRollout:
+class ProcessRollout(StepConsumer):
     """`RLRun.async_rollout` with rollout processes: what `AsyncRollout` is in one process (take a step's batch
-    within the staleness bound, tell the producer the update is done, the async/* metrics)."""
+    within the staleness bound, tell the producer the update is done, the async/* metrics) plus the weight sync's."""
 
     def __init__(self, run: RLRun, link: RolloutLink) -> None:
-        self.run = run
-        self.max_staleness = run.cfg.rollout.max_staleness if run.cfg.rollout.mode == "async" else 0
         # Until close: torchrun's SIGTERM (another process exited) stops the run with a RolloutRankError.
         self._signals = contextlib.ExitStack()
         self._signals.enter_context(link.stop_on_sigterm(on_stop=self._stopped))
-        self.producer = ProcessProducer(run, link, run.start_step + 1, run_lead(run.cfg))
-        self.waited_s = 0.0
-        self.mark = time.perf_counter()
-        self.busy_mark = 0.0
-
-    def take(self, step: int) -> tuple[ProducedBatch, dict[str, float]]:
-        waited = time.perf_counter()
-        produced = self.producer.get(step)
-        self.waited_s += time.perf_counter() - waited
-        if produced.batch is None:
-            return produced, {}
-        run, k = self.run, self.max_staleness
-        split = split_stale(produced.batch, run.llm.policy_version, k)
-        used = split.used_staleness
-        if split.stale_groups:  # not with the schedule above; a bound the weights broke is still kept
-            fresh = produced.batch.select_groups(split.fresh_groups)
-            refill = regenerate_groups(run, step, produced.batch.select_groups(split.stale_groups))
-            produced.batch = concat_batches([b for b in (fresh, refill) if b.num_groups])
-            used = used + [0] * refill.num_samples
-        dropped = len(split.stale_groups) * produced.batch.group_size
-        return produced, staleness_metrics(used, k, dropped)
+        max_staleness = run.cfg.rollout.max_staleness if run.cfg.rollout.mode == "async" else 0
+        super().__init__(run, ProcessProducer(run, link, run.start_step + 1, run_lead(run.cfg)), max_staleness)
 
     def step_done(self, step: int) -> dict[str, float]:
-        self.producer.update_done(step)
-        now = time.perf_counter()
-        wall = max(now - self.mark, 1e-9)
-        busy = self.producer.timing().busy_s
-        rollout_busy = min((busy - self.busy_mark) / wall, 1.0)
-        update_busy = max(1.0 - self.waited_s / wall, 0.0)
-        self.mark, self.busy_mark, self.waited_s = now, busy, 0.0
-        metrics = {
-            "async/rollout_busy_frac": rollout_busy,
-            "async/rollout_idle_frac": 1.0 - rollout_busy,
-            "async/update_busy_frac": update_busy,
-            "async/update_idle_frac": 1.0 - update_busy,
-        }
+        metrics = super().step_done(step)
         if self.producer.last_sync is not None:
             metrics.update(self.producer.last_sync.metrics())
         return metrics

@@ -34,7 +34,7 @@ from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.lifecycle import open_checkpointer
 from posttrain.trainers.optim import optimizer_for
-from posttrain.trainers.rl.async_rollout import AsyncRollout, StepPrompts, check_async
+from posttrain.trainers.rl.async_rollout import StepConsumer, StepPrompts, check_async
 from posttrain.trainers.rl.batch import PackedGroups, packed_forward
 from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
@@ -83,7 +83,7 @@ class RLRun:
     objective: ObjectiveParams | None = None  # set by setup_run: the update's loss hyperparameters
     rank_sizes: tuple[int, int, int] = (0, 0, 0)  # set by setup_run: (batch, minibatch, micro-batch) on this rank
     episodes: EpisodeGroups | None = None  # with an `env:` section: plays the rollout's episodes
-    async_rollout: AsyncRollout | None = None  # rollout.mode=async: the rollout thread, started by the first step
+    async_rollout: StepConsumer | None = None  # rollout.mode=async: the rollout thread (or rollout processes)
 
     @property
     def device(self) -> torch.device:
