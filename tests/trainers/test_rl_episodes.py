@@ -165,3 +165,22 @@ def test_the_example_config_loads_its_environment_and_fits_its_prompts() -> None
         assert len(options.chat.opening_ids(env.reset(row))) <= cfg.rollout.max_prompt_tokens
     held_out = [json.loads(line) for line in (root / "examples/data/calculator/test.jsonl").read_text().splitlines()]
     assert len(held_out) == 200 and all(int(r["answer"]) > 0 and r["question"] for r in held_out)
+
+
+def test_the_guess_number_example_fits_its_prompts() -> None:
+    from posttrain.chat_templates import load_chat_template
+    from posttrain.tasks import make_task
+    from posttrain.trainers.rl.env_section import episode_options
+    from tests.trainers.rl_helpers import tokenizer
+
+    cfg = load_config(GRPOConfig, Path(__file__).resolve().parents[2] / "examples" / "agent_guess_number.yaml")
+    tok = tokenizer()
+    tok.chat_template = load_chat_template(cfg.model.chat_template)
+    options = episode_options(cfg.env, tok, cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
+    env = options.make_env()
+    assert env.max_turns == cfg.env.max_turns and not options.chat.tools  # no tools: none rendered
+    for row in make_task(cfg.data.task).held_out(cfg.data.eval_size):
+        opening = env.reset(row)
+        assert opening[0]["role"] == "system" and "one whole number" in opening[0]["content"]
+        assert len(options.chat.opening_ids(opening)) <= cfg.rollout.max_prompt_tokens
+    assert cfg.train.max_steps == 20
