@@ -17,20 +17,8 @@ from typing import Any
 from posttrain.errors import PosttrainError
 
 
-def _prompt_column(args: argparse.Namespace) -> str:
-    """`--prompt-column`, or `question` when the flag is left at `prompt` and the file's first row has no such
-    column but a `question` (the calculator problems' format)."""
-    from posttrain.data.readers import read_rows
-
-    if args.prompt_column != "prompt":
-        return args.prompt_column
-    for _, record in read_rows(args.data):
-        return "question" if "prompt" not in record and "question" in record else "prompt"
-    return "prompt"
-
-
 def episodes_accuracy_run(args: argparse.Namespace) -> int:
-    from posttrain.commands.eval_generation import write_samples
+    from posttrain.commands.eval_generation import prompt_column, write_samples
     from posttrain.config import load_config
     from posttrain.engine import LLM, EngineConfig
     from posttrain.eval.prompts import file_rows
@@ -50,7 +38,7 @@ def episodes_accuracy_run(args: argparse.Namespace) -> int:
         raise PosttrainError("with --config the episodes are greedy: leave --n and --temperature at 1 and 0")
     data = file_rows(
         args.data,
-        _prompt_column(args),
+        prompt_column(args),
         args.answer_column,
         max_rows=args.num,
         system_prompt=args.system,

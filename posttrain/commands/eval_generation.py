@@ -41,7 +41,11 @@ def _data_arguments(
     group.add_argument(
         "--data", type=Path, default=None, help="dataset file (JSONL, JSON, Parquet) or saved HF dataset"
     )
-    group.add_argument("--prompt-column", default="prompt", help="the prompt: text or chat messages (default: prompt)")
+    group.add_argument(
+        "--prompt-column",
+        default="prompt",
+        help="the prompt: text or chat messages (default: prompt; question when the file has that instead)",
+    )
     group.add_argument("--answer-column", default="answer", help=answer_help)
     group.add_argument(
         "--prompt-template",
@@ -110,12 +114,24 @@ def _rows(args: argparse.Namespace, task: str | None) -> Any:
         )
     return file_rows(
         args.data,
-        args.prompt_column,
+        prompt_column(args),
         args.answer_column,
         max_rows=args.num,
         system_prompt=args.system,
         template=args.prompt_template,
     )
+
+
+def prompt_column(args: argparse.Namespace) -> str:
+    """`--prompt-column`, or `question` when the flag is left at `prompt` and the file's first row has no such
+    column but a `question` (the calculator problems' format)."""
+    from posttrain.data.readers import read_rows
+
+    if args.prompt_column != "prompt":
+        return args.prompt_column
+    for _, record in read_rows(args.data):
+        return "question" if "prompt" not in record and "question" in record else "prompt"
+    return "prompt"
 
 
 def _engine(args: argparse.Namespace, rows: list[dict[str, Any]], sampling: Any) -> Any:

@@ -193,3 +193,17 @@ def test_errors_are_one_line_with_exit_status_2(capsys, tmp_path, tiny_dir):
     assert "invalid choice: 'bleu'" in capsys.readouterr().err
     assert "--ref-model REF" in run_error(capsys, ["eval", "preference", "--data", str(data), "--model", "x"])
     assert "give --reward-model DIR, or --model" in run_error(capsys, ["eval", "preference", "--data", str(data)])
+
+
+def test_a_file_of_questions_needs_no_prompt_column(capsys, tmp_path, tiny_dir):
+    """examples/data/calculator/test.jsonl's format ({"question", "answer"}) without --prompt-column: the
+    model without tools, as the agentic demo's baseline is measured."""
+    rows = [{"question": f"What is {a} times 12?", "answer": str(12 * a)} for a in range(101, 104)]
+    data = write_jsonl(tmp_path / "calc.jsonl", rows)
+    samples = tmp_path / "s.jsonl"
+    argv = ["eval", "accuracy", "--model", str(tiny_dir), "--data", str(data), "--reward", "numeric_match"]
+    out = run_json(capsys, argv + ["--max-tokens", "4", "--json", "--samples", str(samples)])
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert out["problems"] == len(records) == 3
+    assert [r["prompt"][-1]["content"] for r in records] == [row["question"] for row in rows]
+    assert [r["answer"] for r in records] == [row["answer"] for row in rows]

@@ -60,3 +60,24 @@ def test_the_command_writes_jsonl(tmp_path, capsys):
     lines = out.read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0]) == calculator_transcripts(3, seed=2)[0]
     assert "wrote 3 transcripts" in capsys.readouterr().out
+
+
+def test_the_demo_s_cold_start_data_is_what_its_command_writes_and_fits():
+    """examples/agent_calculator_sft.yaml trains on examples/data/calculator/sft.jsonl: the rows
+    `python -m posttrain.envs.transcripts --rows 48 --seed 0` writes, one pass of its steps, within its
+    max_length in the default model's tokenizer."""
+    from pathlib import Path
+
+    from posttrain.config import load_config
+    from posttrain.trainers.sft import SFTConfig
+    from tests.trainers.rl_helpers import tokenizer as default_tokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(SFTConfig, root / "examples" / "agent_calculator_sft.yaml")
+    records = [json.loads(line) for line in (root / cfg.data.path).read_text().splitlines()]
+    assert records == calculator_transcripts(48, seed=0)
+    assert len(records) == cfg.train.batch_size * cfg.train.max_steps
+    tok = default_tokenizer()
+    tok.chat_template = load_chat_template(cfg.model.chat_template)
+    lengths = [len(tokenize_sft(tok, parse_conversational(r)).input_ids) for r in records]
+    assert max(lengths) <= cfg.data.max_length

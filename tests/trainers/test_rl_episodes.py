@@ -192,3 +192,22 @@ def test_async_episodes_record_a_version_per_token_within_the_bound(tmp_path: Pa
             assert len(versions) == len(ids) == len(mask)
             assert versions == sorted(versions)  # weights only move forward while an episode runs
             assert min(v for v, m in zip(versions, mask) if m) >= version - 1
+
+
+def test_the_guess_number_example_fits_its_prompts() -> None:
+    from posttrain.chat_templates import load_chat_template
+    from posttrain.tasks import make_task
+    from posttrain.trainers.rl.env_section import episode_options
+    from tests.trainers.rl_helpers import tokenizer
+
+    cfg = load_config(GRPOConfig, Path(__file__).resolve().parents[2] / "examples" / "agent_guess_number.yaml")
+    tok = tokenizer()
+    tok.chat_template = load_chat_template(cfg.model.chat_template)
+    options = episode_options(cfg.env, tok, cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
+    env = options.make_env()
+    assert env.max_turns == cfg.env.max_turns and not options.chat.tools  # no tools: none rendered
+    for row in make_task(cfg.data.task).held_out(cfg.data.eval_size):
+        opening = env.reset(row)
+        assert opening[0]["role"] == "system" and "one whole number" in opening[0]["content"]
+        assert len(options.chat.opening_ids(opening)) <= cfg.rollout.max_prompt_tokens
+    assert cfg.train.max_steps == 20

@@ -1,0 +1,106 @@
+"""benchmarks/agent_vs_trl.py without training: its options, its dry run (the settings both sides take from
+examples/agent_calculator.yaml), the reward it gives TRL, the rows TRL trains on, the snapshot clock and the
+curves it writes."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("agent_vs_trl", ROOT / "benchmarks" / "agent_vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["agent_vs_trl"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("agent_vs_trl", None)
+
+
+def test_options_and_their_bounds(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench.parse_args([])
+    assert (args.minutes, args.eval_size, args.points, args.only) == (30.0, 200, 6, None)
+    args = bench.parse_args(["--minutes", "2", "--eval-size", "20", "--points", "1", "--only", "trl"])
+    assert (args.minutes, args.eval_size, args.points, args.only) == (2.0, 20, 1, "trl")
+    for bad, named in (
+        (["--minutes", "0"], "--minutes"),
+        (["--eval-size", "201"], "--eval-size"),
+        (["--points", "0"], "--points"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        assert named in capsys.readouterr().err
+
+
+def test_dry_run_takes_the_example_config(bench, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench.main(
+        ["--dry-run", "--minutes", "12", "--points", "4", "--eval-size", "20", "--start", str(tmp_path / "none")]
+    )
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    settings = plan["settings"]
+    assert (settings["prompts_per_step"], settings["samples_per_prompt"], settings["max_turns"]) == (4, 4, 3)
+    assert (settings["max_tokens"], settings["max_episode_tokens"]) == (40, 160)
+    assert plan["sides"] == ["posttrain", "trl"] and plan["snapshot_every_min"] == 3.0
+    assert plan["cold_start"][-2:] == ["sft", str(bench.SFT_CONFIG)]  # no start checkpoint: the SFT config runs first
+    assert plan["eval"][plan["eval"].index("--num") + 1] == "20"
+
+
+def test_trl_reward_is_the_environments(bench) -> None:
+    answer = "10063"
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calculator"}}],
+    }
+    completions = [
+        [call, {"role": "tool", "content": answer}, {"role": "assistant", "content": "The answer is 10063."}],
+        [call, {"role": "tool", "content": answer}, {"role": "assistant", "content": "The answer is 10064."}],
+        [call, {"role": "tool", "content": answer}],  # cut off after the tool: no final answer
+        [{**call, "content": "10063"}],  # the right number, but in a turn that calls a tool
+    ]
+    assert bench.calculator_reward(completions, [answer] * 4) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_trl_rows_open_as_the_environment_does(bench) -> None:
+    from posttrain.envs.calculator import SYSTEM_PROMPT
+
+    rows = bench.trl_rows({"data_seed": 0}, 3)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+        assert row["prompt"][1]["role"] == "user" and int(row["answer"]) >= 1000
+
+
+def test_snapshots_are_evenly_spaced(bench, tmp_path: Path) -> None:
+    clock = bench.Snapshots(tmp_path, minutes=10, points=5)  # every 2 minutes
+    assert not clock.due(119)
+    assert clock.due(120)
+    clock.record(tmp_path / "snapshot-1", 125, step=3)
+    assert not clock.due(200) and clock.due(240)
+    assert clock.saved == [{"path": str(tmp_path / "snapshot-1"), "minutes": round(125 / 60, 3), "step": 3}]
+
+
+def test_curves_and_summary(bench, tmp_path: Path) -> None:
+    start = {"minutes": 0.0, "step": 0, "accuracy": 0.1, "tool_calls_per_episode": 0.2}
+    curves = {
+        "posttrain": [start, {"minutes": 2.0, "step": 5, "accuracy": 0.9, "tool_calls_per_episode": 1.0}],
+        "trl": [start, {"minutes": 2.0, "step": 3, "accuracy": 0.6, "tool_calls_per_episode": 0.8}],
+    }
+    bench.write_curves(tmp_path, curves)
+    assert json.loads((tmp_path / "curves.json").read_text()) == curves
+    with open(tmp_path / "curves.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["side"], r["step"], r["accuracy"]) for r in rows] == [
+        ("posttrain", "0", "0.1"), ("posttrain", "5", "0.9"), ("trl", "0", "0.1"), ("trl", "3", "0.6"),
+    ]  # fmt: skip
+    result = bench.summary(curves, tmp_path, bench.parse_args(["--minutes", "2", "--eval-size", "20"]))
+    assert result["posttrain"]["accuracy"] == 0.9 and result["trl"]["step"] == 3
+    assert result["accuracy_ratio"] == 1.5
