@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from posttrain.engine.attention_backend import ATTENTION_BACKENDS
+from posttrain.engine.speculative.config import SpeculativeConfig, as_speculative_config
 from posttrain.errors import ConfigError
 
 
@@ -46,11 +47,15 @@ class EngineConfig:
     # writes, the fused norm / RoPE / SwiGLU ops and the sampler's one-pass draw. False: PyTorch ops only.
     # POSTTRAIN_CPU_KERNELS=0 in the environment turns them off for the whole process, whatever this says.
     cpu_kernels: bool = True
+    # Speculative decoding (posttrain/engine/speculative, docs/engine.md): None (off), or which proposer drafts
+    # tokens for decoding sequences and how many per step. Also given as a mapping or a method name ("ngram").
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        self.speculative = as_speculative_config(self.speculative)
         _positive_int("block_size", self.block_size)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)

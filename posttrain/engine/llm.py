@@ -30,7 +30,9 @@ __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "Completion
 class LLM:
     """A rollout engine over one model module. `model`: a name or path for `load_model`, or a live
     `Transformer` (the engine holds it and never copies its weights: optimizer steps are seen at once;
-    call `weights_updated()` after each one). Extra keyword arguments are EngineConfig fields."""
+    call `weights_updated()` after each one). Extra keyword arguments are EngineConfig fields, e.g.
+    `speculative={"method": "ngram", "num_tokens": 4}`. `draft_model`: a loaded draft model module for
+    `speculative={"method": "draft"}` (else it is loaded from `speculative.draft_model`)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         chat_template: str | None = None,
+        draft_model: torch.nn.Module | None = None,
         **config_fields: Any,
     ) -> None:
         if isinstance(model, (str, Path)):
@@ -60,7 +63,7 @@ class LLM:
             except TypeError as error:  # an unknown field name
                 raise PosttrainError(f"LLM: {error}") from None
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(model, tokenizer, config)
+        self.engine = LLMEngine(model, tokenizer, config, draft_model=draft_model)
         self._request_ids = itertools.count()
 
     # ---- prompts ---------------------------------------------------------------------------------
