@@ -7,6 +7,7 @@ import os
 import sys
 
 from posttrain.commands.common import add_model_arguments
+from posttrain.commands.speculative_args import add_speculative_arguments, speculative_config
 from posttrain.errors import PosttrainError
 
 
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-bytes", type=int, default=None)
     engine.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    add_speculative_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace):
@@ -78,6 +80,9 @@ def engine_config(args: argparse.Namespace):
     }
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False
+    speculative = speculative_config(args)
+    if speculative is not None:
+        fields["speculative"] = speculative
     if "max_num_seqs" in fields and "max_num_batched_tokens" not in fields:
         fields["max_num_batched_tokens"] = max(4096, fields["max_num_seqs"])
     return EngineConfig(**fields)

@@ -56,31 +56,36 @@ GREEDY_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False])
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-@pytest.mark.parametrize("seed", [VARIED, LOOPING])
+@pytest.mark.parametrize(
+    ("seed", "method", "cpu_kernels"),
+    [(VARIED, "ngram", True), (LOOPING, "ngram", False), (VARIED, "draft", True), (LOOPING, "draft", True)],
+)
 def test_greedy_outputs_are_the_plain_engines(seed: int, method: str, cpu_kernels: bool) -> None:
+    """Every prompt under every setting of GREEDY_PARAMS in one batch, and the first few prompts one at a time."""
     model = tiny_model(seed)
-    prompts = [*PROMPTS, REPEATING_PROMPT]
-    plain = make_llm(model, cpu_kernels=cpu_kernels)
+    prompts = [p for p in [*PROMPTS, REPEATING_PROMPT] for _ in GREEDY_PARAMS]
+    params = GREEDY_PARAMS * (len(PROMPTS) + 1)
+    plain = make_llm(model, cpu_kernels=cpu_kernels, max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512)
     if method == "ngram":
-        spec = make_llm(model, cpu_kernels=cpu_kernels, speculative=ngram())
+        spec_fields = {"speculative": ngram()}
     else:  # the layer-dropped student, as `posttrain convert --num-layers 1` would write it
-        spec = make_llm(model, cpu_kernels=cpu_kernels, speculative=draft(), draft_model=keep_layers(model, [0]))
-    for params in GREEDY_PARAMS:
-        expected = plain.generate(prompts, params)
-        batched = spec.generate(prompts, params)
-        one_by_one = [spec.generate([p], params)[0] for p in prompts]
-        assert token_ids(batched) == token_ids(expected)
-        assert token_ids(one_by_one) == token_ids(expected)
-        for got, want in zip([*batched, *one_by_one], [*expected, *expected]):
-            assert [s.text for s in got.outputs] == [s.text for s in want.outputs]
-            assert [s.finish_reason for s in got.outputs] == [s.finish_reason for s in want.outputs]
-            if params.logprobs:
-                torch.testing.assert_close(got.outputs[0].logprobs, want.outputs[0].logprobs, atol=1e-4, rtol=0)
-                assert [[t for t, _ in top] for top in got.outputs[0].top_logprobs] == [
-                    [t for t, _ in top] for top in want.outputs[0].top_logprobs
-                ]
+        spec_fields = {"speculative": draft(), "draft_model": keep_layers(model, [0])}
+    spec = make_llm(
+        model, cpu_kernels=cpu_kernels, max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, **spec_fields
+    )
+    expected = plain.generate(prompts, params)
+    batched = spec.generate(prompts, params)
+    one_by_one = [spec.generate([p], sp)[0] for p, sp in zip(prompts[:5], params[:5])]
+    assert token_ids(batched) == token_ids(expected)
+    assert token_ids(one_by_one) == token_ids(expected[:5])
+    for got, want, sp in zip([*batched, *one_by_one], [*expected, *expected[:5]], [*params, *params[:5]]):
+        assert [s.text for s in got.outputs] == [s.text for s in want.outputs]
+        assert [s.finish_reason for s in got.outputs] == [s.finish_reason for s in want.outputs]
+        if sp.logprobs:
+            torch.testing.assert_close(got.outputs[0].logprobs, want.outputs[0].logprobs, atol=1e-4, rtol=0)
+            assert [[t for t, _ in top] for top in got.outputs[0].top_logprobs] == [
+                [t for t, _ in top] for top in want.outputs[0].top_logprobs
+            ]
     stats = spec.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0  # speculation did happen
     assert stats["free_kv_blocks"] == stats["kv_blocks"]
@@ -112,7 +117,9 @@ def test_rejected_positions_give_their_blocks_back(method: str) -> None:
     config = EngineConfig(block_size=2, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=32)
     config.speculative = ngram(num_tokens=6) if method == "ngram" else draft(num_tokens=6)
     config.validate()
-    engine = LLMEngine(model, CharTokenizer(), config, draft_model=keep_layers(model, [1]) if method == "draft" else None)
+    engine = LLMEngine(
+        model, CharTokenizer(), config, draft_model=keep_layers(model, [1]) if method == "draft" else None
+    )
     for i, prompt in enumerate([*PROMPTS, REPEATING_PROMPT]):
         params = SamplingParams(n=2, temperature=0.8, max_tokens=24, seed=i, ignore_eos=True)
         engine.add_request(str(i), prompt, params)
@@ -228,9 +235,7 @@ def test_the_acceptance_rule_keeps_the_target_distribution_at_every_position() -
     counts = torch.full((trials,), drafts_per_trial)
 
     def worst_ratio() -> float:
-        num_accepted, last = verify_drafts(
-            p.expand(trials, -1, -1), drafts, counts, q.expand(trials, -1, -1), uniforms
-        )
+        num_accepted, last = verify_drafts(p.expand(trials, -1, -1), drafts, counts, q.expand(trials, -1, -1), uniforms)
         ratios = []
         for position in range(drafts_per_trial + 1):
             reached = num_accepted >= position  # trials whose output has a token at this position

@@ -126,9 +126,7 @@ class DraftModelProposer:
                 if token_probs is not None and not seqs[i].params.is_greedy:
                     probs[i].append(token_probs[row])
             active = [i for i in running if len(drafts[i]) < max_drafts[i]]
-        return [
-            Proposal(d, torch.stack(p) if p else None) if d else NO_PROPOSAL for d, p in zip(drafts, probs)
-        ]
+        return [Proposal(d, torch.stack(p) if p else None) if d else NO_PROPOSAL for d, p in zip(drafts, probs)]
 
     def _draw(
         self, logits: torch.Tensor, targets: list[Sequence], drafts: list[list[int]]
