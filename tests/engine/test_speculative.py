@@ -266,7 +266,7 @@ def test_greedy_targets_accept_exactly_their_argmax() -> None:
 def test_sampled_logprobs_are_the_targets() -> None:
     model = tiny_model(VARIED)
     llm = make_llm(model, speculative=ngram())
-    params = SamplingParams(n=3, temperature=0.7, max_tokens=16, logprobs=True, seed=5, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0.7, max_tokens=12, logprobs=True, seed=5, ignore_eos=True)
     for prompt, out in zip([*PROMPTS, REPEATING_PROMPT], llm.generate([*PROMPTS, REPEATING_PROMPT], params)):
         for sample in out.outputs:
             expected = dense_logprobs(model, prompt, sample.token_ids, 0.7)
@@ -276,7 +276,7 @@ def test_sampled_logprobs_are_the_targets() -> None:
 
 def test_seeded_sampling_is_reproducible_and_filters_hold() -> None:
     model = tiny_model(VARIED)
-    params = SamplingParams(n=4, temperature=1.0, top_k=3, top_p=0.9, max_tokens=12, seed=7, logprobs=True)
+    params = SamplingParams(n=2, temperature=1.0, top_k=3, top_p=0.9, max_tokens=10, seed=7, logprobs=True)
     runs = []
     for _ in range(2):
         llm = make_llm(model, speculative=draft(), draft_model=keep_layers(model, [0]))
