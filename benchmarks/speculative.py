@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--chat-prompts", type=int, default=len(CHAT_PROMPTS), help="how many of the chat prompts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,7 +92,7 @@ def main() -> None:
             model, tokenizer, max_num_seqs=1, speculative={"method": "draft", **spec}, draft_model=draft
         )
     report: dict = {"model": args.model, "max_tokens": args.max_tokens, "threads": torch.get_num_threads()}
-    for set_name, prompts in (("chat", CHAT_PROMPTS), ("repeat", REPEAT_PROMPTS)):
+    for set_name, prompts in (("chat", CHAT_PROMPTS[: args.chat_prompts]), ("repeat", REPEAT_PROMPTS)):
         runs = {}
         for name, llm in engines.items():
             log(f"{set_name}: {name} ...")
