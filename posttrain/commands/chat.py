@@ -12,6 +12,7 @@ import sys
 
 from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
+from posttrain.commands.speculative_args import add_speculative_arguments
 from posttrain.commands.text_input import at, check_argument, decode_line
 from posttrain.errors import PosttrainError
 
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_quant_argument(parser)
     parser.add_argument("--system", default=None, help="system message")
     add_sampling_arguments(parser, default_temperature=0.7)
+    add_speculative_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.commands.sampling_args import add_sampling_arguments, engine_kwargs, sampling_params_from_args
+from posttrain.commands.speculative_args import add_speculative_arguments
 from posttrain.commands.text_input import check_argument, json_text_problem, read_text_lines
 from posttrain.data.readers import read_rows
 from posttrain.errors import PosttrainError
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs", action="store_true", help="include per-token logprobs (with --json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_sampling_arguments(parser, default_temperature=0.0)
+    add_speculative_arguments(parser)
 
 
 def read_prompts_file(path: Path) -> list[Any]:

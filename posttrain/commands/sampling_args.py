@@ -53,7 +53,15 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides) -> Sampling
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    fields = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    """EngineConfig fields from the flags: --max-model-len, --compute-dtype, and the speculative decoding flags when
+    the command has them (commands/speculative_args.py)."""
+    from posttrain.commands.speculative_args import speculative_config
+
+    kwargs: dict = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.compute_dtype is not None:
-        fields["compute_dtype"] = args.compute_dtype
-    return fields
+        kwargs["compute_dtype"] = args.compute_dtype
+    if hasattr(args, "speculative"):
+        speculative = speculative_config(args)
+        if speculative is not None:
+            kwargs["speculative"] = speculative
+    return kwargs

@@ -8,6 +8,7 @@ import sys
 
 from posttrain.commands.common import add_model_arguments, add_quant_argument
 from posttrain.commands.sampling_args import add_compute_dtype_argument
+from posttrain.commands.speculative_args import add_speculative_arguments, speculative_config
 from posttrain.errors import PosttrainError
 
 
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
     add_compute_dtype_argument(engine)
+    add_speculative_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace):
@@ -84,6 +86,9 @@ def engine_config(args: argparse.Namespace):
         fields["enable_prefix_caching"] = False
     if args.dtype == "float32":  # fp32 weights asked for by name: fp32 compute too, unless --compute-dtype says
         fields.setdefault("compute_dtype", "float32")
+    speculative = speculative_config(args)
+    if speculative is not None:
+        fields["speculative"] = speculative
     if "max_num_seqs" in fields and "max_num_batched_tokens" not in fields:
         fields["max_num_batched_tokens"] = max(4096, fields["max_num_seqs"])
     return EngineConfig(**fields)

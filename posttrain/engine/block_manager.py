@@ -164,7 +164,19 @@ class BlockManager:
         child.block_table = list(parent.block_table)
 
     def free(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):  # the tail is the least reusable: evict it first
+        self._release(seq.block_table)
+        seq.block_table = []
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first `num_tokens` tokens (speculative decoding: the blocks that
+        held only rejected draft positions)."""
+        keep = self.blocks_for_tokens(num_tokens)
+        if len(seq.block_table) > keep:
+            self._release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):  # the tail is the least reusable: evict it first
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -173,7 +185,6 @@ class BlockManager:
                     self.free_cached[block_id] = None
                 else:
                     self.free_uncached[block_id] = None
-        seq.block_table = []
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from posttrain.engine.attention_backend import ATTENTION_BACKENDS
+from posttrain.engine.speculative.config import SpeculativeConfig, as_speculative_config
 from posttrain.errors import ConfigError
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # EngineConfig.compute_dtype's values
@@ -53,11 +54,15 @@ class EngineConfig:
     # fp32 weights: bf16 copies of the linear weights (half their fp32 bytes more) and a bf16 KV cache; norms,
     # softmax, logits and logprobs in fp32. float32: never bf16 over fp32 weights.
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Speculative decoding (posttrain/engine/speculative, docs/engine.md): None (off), or which proposer drafts
+    # tokens for decoding sequences and how many per step. Also given as a mapping or a method name ("ngram").
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        self.speculative = as_speculative_config(self.speculative)
         _positive_int("block_size", self.block_size)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)

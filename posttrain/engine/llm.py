@@ -36,7 +36,9 @@ class LLM:
     `compute_dtype="bfloat16"` (bf16 compute over fp32 weights; the default `auto` picks it where the CPU is fast
     in bf16). `dtype` is the dtype of the weights a name or path loads in; dtype="float32" also means fp32 compute
     unless compute_dtype says otherwise. `quant="int8"`: int8 weight-only decode of a model loaded by name or path
-    (posttrain/quant/inference.py)."""
+    (posttrain/quant/inference.py).
+    `speculative={"method": "ngram", "num_tokens": 4}`: speculative decoding. `draft_model`: a loaded draft model module
+    for `speculative={"method": "draft"}` (else it is loaded from `speculative.draft_model`)."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class LLM:
         device: str | torch.device | None = None,
         chat_template: str | None = None,
         quant: str | None = None,
+        draft_model: torch.nn.Module | None = None,
         **config_fields: Any,
     ) -> None:
         check_inference_quant(quant)
@@ -76,7 +79,7 @@ class LLM:
             except TypeError as error:  # an unknown field name
                 raise PosttrainError(f"LLM: {error}") from None
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(model, tokenizer, config)
+        self.engine = LLMEngine(model, tokenizer, config, draft_model=draft_model)
         self._request_ids = itertools.count()
 
     # ---- prompts ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from posttrain.engine.sampler import make_generator
 from posttrain.engine.sampling_params import SamplingParams
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
+from posttrain.engine.speculative.decoder import build_speculative_decoder
 from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
 from posttrain.errors import PosttrainError
 
@@ -50,9 +51,17 @@ class LLMEngine:
     """A continuous-batching engine over a live model module: it computes with the module's own weights (on CPU
     through packed copies that follow every change, posttrain/engine/packed_weights.py; in bf16 over fp32 weights
     through bf16 copies that do the same, posttrain/engine/bf16_weights.py). `compute_dtype`: what its forwards
-    compute in and its KV pool holds (EngineConfig.compute_dtype resolved)."""
+    compute in and its KV pool holds (EngineConfig.compute_dtype resolved). `draft_model`: the draft model of
+    `config.speculative` with method "draft", when given as a module rather than a path."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        *,
+        draft_model: torch.nn.Module | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -65,6 +74,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config, self.num_blocks, self.compute_dtype)
         self.eos_token_ids = self._eos_token_ids()
+        # Speculative decoding (posttrain/engine/speculative); None when config.speculative is off.
+        self.speculator = build_speculative_decoder(
+            self.config, model, self.block_manager, self.max_model_len, self.eos_token_ids, draft_model
+        )
         self.policy_version = 0
         # Held by every step (its forward reads the weights) and by `weights_updated`; a trainer that updates the
         # weights while another thread steps the engine holds it around its optimizer step and the
@@ -211,24 +224,39 @@ class LLMEngine:
                 raise RuntimeError("engine stalled: no sequence could be scheduled")
             return []
         try:
+            if self.speculator is not None:
+                self.speculator.add_drafts(batch)
             out = self.runner.execute(batch)
         except BaseException:
             # Blocks published for this step hold no valid K/V now.
             self.block_manager.reset_prefix_cache()
             self.runner.attention_workspace.release()
+            if self.speculator is not None:
+                self.speculator.discard(batch)
             raise
         self.num_steps += 1
         self.num_processed_tokens += batch.num_batched_tokens
-        groups: list[list[Sequence]] = []  # group i: the sequences that draw from logits row i
+        groups: list[list[Sequence]] = []  # group i: the sequences that draw from logits row group_rows[i]
+        group_rows: list[int] = []
+        checking: list[tuple[Sequence, int]] = []  # sequences with drafts to check, and their first logits row
+        row = 0
         for seq, num_new, chunk in zip(batch.seqs, batch.num_new_tokens, out.prompt_logprobs):
             if chunk is not None:
                 seq.prompt_logprobs.add(chunk)
+            if seq.draft_token_ids:  # its 1 + k rows check the drafts (speculative decoding)
+                checking.append((seq, row))
+                row += num_new
+                continue
             seq.num_cached_tokens += num_new
             if seq.num_cached_tokens == seq.num_tokens:
                 groups.append([seq, *self._fork(seq)] if seq.num_forks else [seq])
-        if not groups:
+                group_rows.append(row)
+                row += 1
+        if not groups and not checking:
             return []
         touched: dict[str, _Request] = {}
+        if checking:
+            self._append_checked(out.logits, checking, touched)
         drawing: list[int] = []  # the groups that draw a token now
         for i, group in enumerate(groups):
             if group[0].params.max_tokens == 0:  # the prefill was all the request wanted
@@ -237,7 +265,10 @@ class LLMEngine:
             else:
                 drawing.append(i)
         if drawing:
-            logits = out.logits if len(drawing) == len(groups) else out.logits[drawing]  # (R', V)
+            if checking:
+                logits = out.logits[[group_rows[i] for i in drawing]]  # (R', V)
+            else:
+                logits = out.logits if len(drawing) == len(groups) else out.logits[drawing]  # (R', V)
             self._draw(logits, [groups[i] for i in drawing], touched)
         outputs = []
         for request in touched.values():
@@ -248,6 +279,8 @@ class LLMEngine:
                 outputs.append(self._request_output(request))
         if not self.requests:  # idle: staged K/V copies and packed weights are not needed until the next wave
             self.runner.release_step_buffers()
+            if self.speculator is not None:
+                self.speculator.release()
         return outputs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -270,6 +303,27 @@ class LLMEngine:
             self._append_token(request, seq, token_ids[row], logprobs[row], top[row] if top is not None else None)
             touched[seq.request_id] = request
         self.num_generated_tokens += len(token_ids)
+
+    def _append_checked(
+        self, logits: torch.Tensor, checking: list[tuple[Sequence, int]], touched: dict[str, _Request]
+    ) -> None:
+        """Append what the speculative check kept for each sequence: its accepted drafts, then the target's token.
+        Each accepted draft's K/V was computed by this step, so the sequence's cached tokens (and the prefix-cache
+        blocks they fill) move up with it; the blocks that held only rejected positions are given back."""
+        appended = self.speculator.verify(logits, checking)
+        for (seq, _), tokens in zip(checking, appended):
+            request = self.requests[seq.request_id]
+            touched[seq.request_id] = request
+            start = seq.num_cached_tokens  # the position of the last token, whose K/V this step computed
+            for i, (token, logprob, top) in enumerate(tokens):
+                self.block_manager.publish(seq, start + 1 + i)
+                seq.num_cached_tokens = start + 1 + i
+                self._append_token(request, seq, token, logprob, top)
+                self.num_generated_tokens += 1
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                self.block_manager.truncate(seq, seq.num_tokens)
 
     def _end_without_output(self, seq: Sequence) -> _Request:
         """Finish a max_tokens=0 sequence at the end of its prefill, with no token."""
@@ -413,6 +467,8 @@ class LLMEngine:
         self.runner.free_kv_cache()
         self.runner.release_step_buffers()
         self.runner.release_weight_copies()
+        if self.speculator is not None:
+            self.speculator.free_kv_cache()
         self.asleep = True
 
     def wake(self) -> None:
@@ -420,6 +476,8 @@ class LLMEngine:
         if not self.asleep:
             return
         self.runner.allocate_kv_cache()
+        if self.speculator is not None:
+            self.speculator.allocate_kv_cache()
         self.asleep = False
 
     # ---- numbers ----------------------------------------------------------------------------------------
@@ -443,4 +501,5 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.num_cache_hit_tokens,
             "kv_blocks": self.num_blocks,
             "free_kv_blocks": bm.num_free_blocks,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -54,7 +54,9 @@ class PromptRows:
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # (R, V) fp32, one row per sequence of the batch that reaches its last token
+    # (R, V) fp32, one row per sequence of the batch that reaches its last token, in batch order; a sequence
+    # with drafted tokens has 1 + len(draft_token_ids) consecutive rows (its last token's, then each draft's)
+    logits: torch.Tensor
     prompt_logprobs: list[PromptLogprobChunk | None]  # per sequence of the batch, in batch order
 
 
@@ -209,11 +211,15 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 input_ids.extend(seq.token_ids[start:end])
+                if end > seq.num_tokens:  # drafted tokens follow the sequence's last one (speculative decoding)
+                    input_ids.extend(seq.draft_token_ids)
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)
             if end == seq.num_tokens:
                 sample_index.append(len(input_ids) - 1)
+            elif end > seq.num_tokens:  # the last token's row and each draft's: every one checks the next draft
+                sample_index.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
         device = self.device

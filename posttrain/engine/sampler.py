@@ -471,3 +471,45 @@ def _top_logprobs(scaled: torch.Tensor, rows: list[SamplingRow]) -> list[list[tu
     for a, (j, k) in enumerate(zip(asking, ks)):
         result[j] = list(zip(ids[a][:k], values[a][:k]))
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces of `sample` for callers that draw by their own rule (speculative decoding's acceptance
+# test, posttrain/engine/speculative): the same distributions, without the draw.
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_probabilities(
+    logits: torch.Tensor, rows: list[SamplingRow], workspace: SamplingWorkspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-5 of the module docstring. Returns (scaled (S, V): the logits whose log_softmax is the reported
+    logprob distribution, possibly a `workspace` buffer; probs (S, V): the distribution `sample` draws each row
+    from, normalised: softmax(scaled) with the filtered tokens removed, or for greedy rows all mass on the
+    token `sample` would pick). logits (S, V) is not modified."""
+    if len(rows) != logits.shape[0]:
+        raise ValueError(f"draw_probabilities: {logits.shape[0]} rows of logits but {len(rows)} SamplingRows")
+    scaled = _scaled_logits(logits.float(), rows, workspace or SamplingWorkspace())  # (S, V)
+    probs = torch.softmax(scaled, dim=-1)  # (S, V)
+    device = scaled.device
+    filtered = [j for j, row in enumerate(rows) if row.params.has_filters and not row.params.is_greedy]
+    if filtered:
+        index = torch.tensor(filtered, device=device)
+        weights = probs[index]  # (F, V), a copy
+        _zero_filtered_(weights, scaled[index], [rows[j].params for j in filtered])
+        probs[index] = weights / weights.sum(dim=-1, keepdim=True)
+    greedy = [j for j, row in enumerate(rows) if row.params.is_greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=device)
+        chosen = scaled[index].max(dim=-1).indices  # (G,), the token `sample` picks
+        probs[index] = 0.0
+        probs[index, chosen] = 1.0
+    return scaled, probs
+
+
+def reported_logprobs(
+    scaled: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
+) -> tuple[torch.Tensor, list[list[tuple[int, float]]] | None]:
+    """The logprobs `sample` reports for tokens drawn by another rule: log_softmax(scaled)[token] per row, and
+    the top logprobs of rows with logprobs=k > 0. scaled (S, V) from `draw_probabilities`, token_ids (S,)."""
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, token_ids[:, None]).squeeze(1)  # (S,)
+    return logprobs, _top_logprobs(scaled, rows)

@@ -59,6 +59,9 @@ class Sequence:
         self.num_preemptions = 0
         self.num_cache_hit_tokens = 0  # tokens found in the prefix cache at the last admission
         self.policy_version: int | None = None  # version of the weights that sampled its first token
+        # Tokens proposed to follow token_ids, checked by this step's forward (speculative decoding,
+        # posttrain/engine/speculative); empty outside a speculative step. Never part of token_ids.
+        self.draft_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (

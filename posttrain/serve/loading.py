@@ -10,6 +10,7 @@ import torch
 
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.llm_engine import LLMEngine
+from posttrain.engine.speculative.decoder import load_draft_model
 from posttrain.errors import PosttrainError
 from posttrain.serve.async_engine import AsyncEngine, ServedModel
 
@@ -68,10 +69,14 @@ def build_served_models(
             set_adapter(model, adapter)
 
     names = [(name, None, None)] + [(adapter, adapter, name) for adapter in loras]
+    # A speculative draft model is loaded once; each served model's engine drafts with it into its own KV pool.
+    spec = config.speculative
+    draft_model = load_draft_model(spec, model) if spec is not None and spec.method == "draft" else None
     served = []
     for i, (served_name, adapter, parent) in enumerate(names):
         cfg = split_kv_budget(config, len(names), i)
-        served.append(ServedModel(served_name, LLMEngine(model, tokenizer, cfg), adapter=adapter, parent=parent))
+        engine = LLMEngine(model, tokenizer, cfg, draft_model=draft_model)
+        served.append(ServedModel(served_name, engine, adapter=adapter, parent=parent))
     return AsyncEngine(served, select_adapter=select_adapter)
 
 

@@ -147,3 +147,33 @@ def test_generate_takes_the_engines_compute_dtype(model_dir, monkeypatch, capsys
         "error: compute_dtype='float32': the model's weights are bfloat16; the engine computes in the weights' "
         "dtype, or in bfloat16 over float32 weights"
     ]
+
+
+def test_generate_with_speculative_decoding_prints_the_same_greedy_text(model_dir, tmp_path, capsys):
+    """--speculative ngram, and --draft-model (a one-layer student written by `posttrain convert`): the greedy
+    output of `generate --json` is the plain engine's."""
+    base = ["generate", "--model", str(model_dir), "--prompt", "abcabcabc", "--max-tokens", "12", "--json"]
+    assert cli_main(base) == 0
+    expected = capsys.readouterr().out
+    assert cli_main(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
+    assert capsys.readouterr().out == expected
+    student = tmp_path / "student"
+    assert cli_main(["convert", "--model", str(model_dir), "--out", str(student), "--num-layers", "1"]) == 0
+    capsys.readouterr()
+    assert cli_main(base + ["--draft-model", str(student)]) == 0
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative ngram|draft"),
+        (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens=0: must be"),
+        (["--speculative", "draft"], "--speculative draft needs --draft-model NAME|DIR"),
+        (["--speculative", "ngram", "--draft-model", "x"], "--draft-model goes with --speculative draft"),
+    ],
+)
+def test_bad_speculative_flags_are_one_line(model_dir, capsys, flags, expected):
+    assert cli_main(["generate", "--model", str(model_dir), "--prompt", "hi", *flags]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and expected in lines[0]
