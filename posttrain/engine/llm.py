@@ -219,7 +219,7 @@ class LLM:
 
     @property
     def weights_lock(self) -> Any:
-        """The lock every engine step holds (a threading.RLock): hold it while changing the weights from another
+        """The lock every engine step holds (engine/weights_lock.py; `with llm.weights_lock:`, re-entrant): hold it while changing the weights from another
         thread, and call `weights_updated()` before releasing it, so no forward ever reads half-updated weights
         and the tokens drawn after it record the new version."""
         return self.engine.weights_lock

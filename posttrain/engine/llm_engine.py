@@ -7,7 +7,6 @@ tokenizer, when one is given); the scheduler, block manager and runner see token
 from __future__ import annotations
 
 import random
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,7 @@ from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.speculative.decoder import build_speculative_decoder
 from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
+from posttrain.engine.weights_lock import WeightsLock
 from posttrain.errors import PosttrainError
 
 
@@ -82,7 +82,8 @@ class LLMEngine:
         # Held by every step (its forward reads the weights) and by `weights_updated`; a trainer that updates the
         # weights while another thread steps the engine holds it around its optimizer step and the
         # weights_updated() after it, so weights change only between engine steps, never inside a forward.
-        self.weights_lock = threading.RLock()
+        # A waiting trainer goes before the next engine step (engine/weights_lock.py).
+        self.weights_lock = WeightsLock()
         self.requests: dict[str, _Request] = {}
         self.asleep = False
         self.num_steps = 0
@@ -214,7 +215,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report finished (and streaming) requests."""
-        with self.weights_lock:
+        with self.weights_lock.engine_step():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
