@@ -1,8 +1,8 @@
 """posttrain's engine against llama.cpp on this CPU, side by side in one run, at matching precision.
 
-    bash /work/shared/tools/build-llamacpp.sh /work/llamacpp HF_DIR   # once: llama.cpp's tools + GGUFs of HF_DIR
-    .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp /work/llamacpp --hf-dir HF_DIR
-    .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp /work/llamacpp --hf-dir HF_DIR --quick   # a smoke run
+    bash benchmarks/build_llamacpp.sh /tmp/llamacpp HF_DIR    # once: llama.cpp's tools + GGUFs of HF_DIR
+    .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp /tmp/llamacpp --hf-dir HF_DIR
+    .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp /tmp/llamacpp --hf-dir HF_DIR --quick   # a smoke run
     .venv/bin/python benchmarks/vs_llamacpp.py --dry-run      # the plan (commands, workloads), nothing run
 
 HF_DIR is posttrain's own export of the model (`posttrain convert --out HF_DIR`); both sides run those weights.
