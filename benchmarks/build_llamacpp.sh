@@ -3,7 +3,7 @@
 # vendors (PyPI is reachable where GitHub may not be), and converts a posttrain HF export to GGUF at F32, BF16
 # and Q8_0 with llama.cpp's own converter.
 #   bash benchmarks/build_llamacpp.sh DEST [HF_DIR] [PYTHON]
-# Afterwards: DEST/bin/llama-batched-bench, DEST/bin/llama-bench, DEST/convert_hf_to_gguf.py, DEST/gguf-py and,
+# Afterwards: DEST/bin/llama-batched-bench, DEST/bin/llama-bench, DEST/convert_hf_to_gguf.py (+ conversion/), DEST/gguf-py and,
 # with HF_DIR, DEST/smollm2-{f32,bf16,q8_0}.gguf. PYTHON (default .venv/bin/python) needs transformers and torch
 # for the conversion; the converter's own sentencepiece is installed into it. ~15 minutes on 2 cores.
 set -euo pipefail
@@ -25,6 +25,9 @@ mkdir -p "$dest/bin"
 cp -a "$work/build/bin/." "$dest/bin/"
 cp "$src/convert_hf_to_gguf.py" "$dest/"
 cp -r "$src/gguf-py" "$dest/"
+if [ -d "$src/conversion" ]; then  # newer converters import their model classes from this package beside them
+    cp -r "$src/conversion" "$dest/"
+fi
 
 if [ -n "$hf_dir" ]; then
     "$python" -m pip install -q sentencepiece

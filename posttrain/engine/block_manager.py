@@ -108,8 +108,8 @@ class BlockManager:
         """Register the blocks that become full when seq's first `num_computed_tokens` tokens are computed
         (call before seq.num_cached_tokens moves up to it)."""
         self._extend_hashes(seq, num_computed_tokens)
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.stale_kv:
+            return  # stale_kv: part of its K/V came from older weights; nobody else may be served it
         for i in range(seq.num_cached_tokens // self.block_size, num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:

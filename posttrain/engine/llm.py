@@ -208,10 +208,12 @@ class LLM:
 
     # ---- weights and memory -----------------------------------------------------------------------
 
-    def weights_updated(self) -> int:
+    def weights_updated(self, keep_running_kv: bool = False) -> int:
         """Call after the module's weights change (an optimizer step, a LoRA merge): drops prefix-cache
-        entries computed under the old weights and bumps `policy_version`. Returns the new version."""
-        return self.engine.weights_updated()
+        entries computed under the old weights and bumps `policy_version`. Returns the new version.
+        Sequences still running (another thread generating) recompute their K/V under the new weights, or with
+        `keep_running_kv=True` go on over the K/V they have (an in-flight update; see LLMEngine.weights_updated)."""
+        return self.engine.weights_updated(keep_running_kv)
 
     @property
     def policy_version(self) -> int:

@@ -7,6 +7,7 @@ tokenizer, when one is given); the scheduler, block manager and runner see token
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,9 @@ class LLMEngine:
         # weights_updated() after it, so weights change only between engine steps, never inside a forward.
         # A waiting trainer goes before the next engine step (engine/weights_lock.py).
         self.weights_lock = WeightsLock()
+        # Called at the start of every step, in the thread that steps the engine (async RL in one process: the
+        # rollout thread takes its share of the cores there, rollout/core_share.py).
+        self.before_step: list[Callable[[], None]] = []
         self.requests: dict[str, _Request] = {}
         self.asleep = False
         self.num_steps = 0
@@ -215,6 +219,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report finished (and streaming) requests."""
+        for hook in self.before_step:
+            hook()
         with self.weights_lock.engine_step():
             return self._step()
 
@@ -445,13 +451,22 @@ class LLMEngine:
 
     # ---- weights and memory ---------------------------------------------------------------------------
 
-    def weights_updated(self) -> int:
-        """The module's weights changed in place: forget every cached prefix, recompute the K/V of running
-        sequences under the new weights, and bump the policy version. Returns the new version. The tokens those
-        sequences drew so far keep the version they were drawn under (`CompletionOutput.token_policy_versions`);
-        no block computed under the old weights is ever served again."""
+    def weights_updated(self, keep_running_kv: bool = False) -> int:
+        """The module's weights changed in place: forget every cached prefix and bump the policy version.
+        Returns the new version. The tokens running sequences drew so far keep the version they were drawn under
+        (`CompletionOutput.token_policy_versions`); no block computed under the old weights is ever served to
+        another sequence again.
+
+        Running sequences: by default they are preempted and recompute their K/V under the new weights (a
+        prefill of everything they hold). `keep_running_kv=True`: they go on decoding over the K/V they have
+        (PipelineRL's in-flight update: the next tokens are drawn by the new weights attending over keys and
+        values the old weights computed), which saves that prefill; their blocks are never published to the
+        prefix cache."""
         with self.weights_lock:
-            self.scheduler.preempt_all()
+            if keep_running_kv:
+                self.scheduler.mark_running_stale()
+            else:
+                self.scheduler.preempt_all()
             self.block_manager.reset_prefix_cache()
             self.runner.drop_graphs()  # captured graphs hold parameter addresses, which an update may change
             self.runner.release_weight_copies()

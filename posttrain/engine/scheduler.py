@@ -111,6 +111,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_cached_tokens = 0
+        seq.stale_kv = False  # it recomputes its K/V under the current weights when readmitted
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -120,6 +121,11 @@ class Scheduler:
         """Send every running sequence back to recompute (after a weight update)."""
         for seq in reversed(list(self.running)):
             self._preempt(seq)
+
+    def mark_running_stale(self) -> None:
+        """Let every running sequence go on over K/V computed under the old weights (after a weight update)."""
+        for seq in self.running:
+            seq.stale_kv = True
 
     def add_forks(self, parent: Sequence, children: list[Sequence]) -> None:
         """Children of a parent that just finished its prefill run right after it from now on."""

@@ -62,6 +62,10 @@ class Sequence:
         # Tokens proposed to follow token_ids, checked by this step's forward (speculative decoding,
         # posttrain/engine/speculative); empty outside a speculative step. Never part of token_ids.
         self.draft_token_ids: list[int] = []
+        # True while its cache holds K/V computed under weights older than the engine's current ones (it kept
+        # running across an in-flight weight update: `weights_updated(keep_running_kv=True)`). Such blocks are
+        # never published to the prefix cache; a preempted sequence recomputes everything and is fresh again.
+        self.stale_kv = False
 
     def __repr__(self) -> str:
         return (
@@ -112,4 +116,5 @@ class Sequence:
         child.status = self.status
         child.policy_version = self.policy_version
         child.output_policy_versions = list(self.output_policy_versions)
+        child.stale_kv = self.stale_kv
         return child

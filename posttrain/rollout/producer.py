@@ -24,9 +24,10 @@ Why a thread (and not interleaving engine steps with update micro-steps): the en
 forward / backward are long torch calls that release the GIL, so two threads overlap them on two cores with no
 change to either side's code; interleaving would need the update cut into resumable pieces and could never run
 both at once. Weights change only between engine steps: every engine step holds `LLM.weights_lock`, and the
-trainer holds it around each optimizer step and the `weights_updated()` after it (which preempts the running
-sequences, drops the prefix cache and bumps the version, so the following tokens record the new version and
-no block computed under old weights is served again).
+trainer holds it around each optimizer step and the `weights_updated()` after it (which drops the prefix cache
+and bumps the version, so the following tokens record the new version and no block computed under old weights is
+served to another sequence; running sequences go on over their K/V or recompute it, `rollout.running_kv`).
+Cores: `cores` (rollout/core_share.py) gives the rollout thread all of them while the update waits for a batch.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any, Protocol
 from posttrain.errors import PosttrainError
 from posttrain.rollout.batch import RolloutBatch
 from posttrain.rollout.collect import RolloutStats
+from posttrain.rollout.core_share import CoreShare
 
 logger = logging.getLogger("posttrain.rollout")
 
@@ -90,6 +92,7 @@ class ThreadedProducer:
         lead: int,
         timeout_s: float,
         on_start: Callable[[], None] | None = None,
+        cores: CoreShare | None = None,
     ) -> None:
         if lead < 0:
             raise ValueError(f"lead must be >= 0, got {lead}")
@@ -103,18 +106,24 @@ class ThreadedProducer:
         self._engine = threading.Lock()  # held for a whole collection; `exclusive` takes it between them
         self._timing = ProducerTiming()
         self._on_start = on_start
+        self._cores = cores  # the rollout's share of the cores (None: leave torch's threads alone)
         self._thread = threading.Thread(target=self._run, args=(first_step,), name="posttrain-rollout", daemon=True)
         self._thread.start()
 
     def _run(self, step: int) -> None:
         if self._on_start is not None:
             self._on_start()
+        if self._cores is not None:
+            self._cores.register("rollout")
         try:
             while step <= self.last_step:
                 waited = time.perf_counter()
                 with self._cond:
+                    if step > self._done_step + 1 + self.lead:
+                        self._set_busy(False)  # at the staleness bound: the update may take every core
                     while not self._stopped and step > self._done_step + 1 + self.lead:
                         self._cond.wait()
+                    self._set_busy(True)
                     if self._stopped:
                         return
                 started = time.perf_counter()
@@ -131,6 +140,12 @@ class ThreadedProducer:
             with self._cond:
                 self._error = (step, error)
                 self._cond.notify_all()
+        finally:
+            self._set_busy(False)  # done (or failed): the update may take every core
+
+    def _set_busy(self, busy: bool) -> None:
+        if self._cores is not None:
+            self._cores.busy("rollout", busy)
 
     def get(self, step: int) -> ProducedBatch:
         deadline = time.monotonic() + self.timeout_s

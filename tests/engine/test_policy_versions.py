@@ -102,3 +102,57 @@ def test_no_prefix_block_from_older_weights_is_served() -> None:
     engine.weights_updated()
     assert run("c").num_cached_tokens == 0  # new version: nothing computed before it
     assert run("d").num_cached_tokens > 0  # blocks computed under the new version are served again
+
+
+# ---- in-flight updates that keep the running sequences' K/V (weights_updated(keep_running_kv=True))
+
+
+def _run_to_end(engine: LLMEngine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def test_keep_running_kv_decodes_on_without_recomputing() -> None:
+    model = tiny_model()
+    prompt = list(range(1, 10))
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=0)
+    runs = {}
+    for keep in (None, True, False):  # None: no update at all
+        engine = _engine(model)
+        engine.add_request("r", prompt, params)
+        for _ in range(3):
+            engine.step()
+        if keep is not None:
+            engine.weights_updated(keep_running_kv=keep)  # the weights did not change: only the K/V path differs
+        (output,) = _run_to_end(engine)
+        runs[keep] = (output.outputs[0], engine.scheduler.num_preemptions, engine.num_processed_tokens)
+    plain, kept, recomputed = runs[None], runs[True], runs[False]
+    # Kept: nothing recomputed, the same forwards as without the update, so the very same tokens and logprobs.
+    assert kept[1] == 0 and kept[2] == plain[2] == len(prompt) + 7
+    assert kept[0].token_ids == plain[0].token_ids and kept[0].logprobs == plain[0].logprobs
+    assert kept[0].token_policy_versions == [0, 0, 0, 1, 1, 1, 1, 1]
+    # Recomputed: the sequence went back and prefilled its prompt and its 3 tokens again.
+    assert recomputed[1] == 1 and recomputed[2] == plain[2] + len(prompt) + 2
+
+
+def test_a_sequence_that_kept_old_kv_never_publishes_blocks() -> None:
+    """a runs across an update keeping its K/V; c (fresh, after the update) computes the shared prompt's blocks
+    again. b asks for a's whole text: it may be served c's fresh blocks, never the ones a filled after the update
+    on top of K/V from the old weights (their hashes chain from the same prompt, so a published block would hit)."""
+    model = tiny_model()
+    engine = _engine(model)
+    prompt = list(range(1, 18))  # 4 full blocks + 1 token
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()  # a's prefill (and its first token)
+    with torch.no_grad():
+        model.layers[0].self_attn.k_proj.weight.mul_(-1)
+    engine.weights_updated(keep_running_kv=True)
+    engine.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=1))
+    outputs = {out.request_id: out for out in _run_to_end(engine)}
+    text = prompt + list(outputs["a"].outputs[0].token_ids)  # 25 tokens: 6 full blocks
+    engine.add_request("b", text, SamplingParams(temperature=0, max_tokens=1))
+    (b,) = _run_to_end(engine)
+    assert b.num_cached_tokens == 16  # c's 4 prompt blocks; a's blocks 5 and 6 are not in the cache
+    assert engine.num_free_blocks == engine.num_blocks

@@ -152,5 +152,8 @@ def test_async_keys_from_the_command_line(tmp_path: Path) -> None:
     assert (cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.async_threads) == ("async", 2, 1)
     with pytest.raises(ConfigError, match="max_staleness must be an integer >= 0"):
         load_config(GRPOConfig, None, ["rollout.max_staleness=-1"])
+    assert load_config(GRPOConfig, None, ["rollout.running_kv=recompute"]).rollout.running_kv == "recompute"
+    with pytest.raises(ConfigError, match="rollout.running_kv: must be one of 'keep', 'recompute'; got 'drop'"):
+        load_config(GRPOConfig, None, ["rollout.running_kv=drop"])
     with pytest.raises(ConfigError, match="decoupled needs pi_old recomputed"):
         load_config(GRPOConfig, None, ["train.off_policy.mode=decoupled", "train.old_logprobs=rollout"])

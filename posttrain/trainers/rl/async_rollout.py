@@ -6,9 +6,10 @@ The trainer side, per step: take the batch collected for the step, split off the
 alone, at the current weights, seeded from the step), and report the staleness histogram, the drops and the share
 of wall time each side was busy. After the update, tell the producer it may go on.
 
-Threads: torch keeps one intra-op thread count for the whole process, so both sides run with
-`rollout.async_threads` (default: half of torch's threads, at least 1) while the run is asynchronous; with two
-cores, one thread each. The count is restored when the run ends.
+Threads (rollout/core_share.py): torch's intra-op thread count is per thread. While both sides are busy each runs
+`rollout.async_threads` (default: half of torch's threads, at least 1; with two cores, one each); while one side
+waits (the update for a batch, the rollout at the staleness bound) the other runs all of them. The rollout thread
+sets its count before every engine step, the update before every micro-batch. The count is restored at the end.
 
 Determinism and resume: every prompt is seeded from (train.seed, step, its place), as rollout.seed_prompts does,
 so a step's samples depend on the weights they are drawn under and on nothing else (not on thread timing). With
@@ -32,6 +33,7 @@ import torch
 from posttrain.errors import ConfigError
 from posttrain.rollout.batch import RolloutBatch, concat_batches
 from posttrain.rollout.collect import prompt_seed_base
+from posttrain.rollout.core_share import CoreShare
 from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch, ThreadedProducer
 from posttrain.rollout.prompts import PromptSource
@@ -134,6 +136,10 @@ class StepConsumer:
         dropped = len(split.stale_groups) * produced.batch.group_size
         return produced, staleness_metrics(used, k, dropped)
 
+    def claim_cores(self) -> None:
+        """Before each micro-batch of the update: take the share of the cores the rollout side leaves (in one
+        process; rollout processes have cores of their own)."""
+
     def step_done(self, step: int) -> dict[str, float]:
         """Let the producer go on past `step`; the share of wall time each side was busy since the last call."""
         self.producer.update_done(step)
@@ -155,13 +161,14 @@ class StepConsumer:
 
 
 class AsyncRollout(StepConsumer):
-    """The in-process producer of a run in async mode (a rollout thread) and its thread setting."""
+    """The in-process producer of a run in async mode (a rollout thread) and the cores the two sides share."""
 
     def __init__(self, run: Any, first_step: int, collect: Any) -> None:
         cfg = run.cfg
         self.threads_before = torch.get_num_threads()
-        threads = cfg.rollout.async_threads or max(1, self.threads_before // 2)
-        torch.set_num_threads(threads)
+        share = min(cfg.rollout.async_threads or max(1, self.threads_before // 2), self.threads_before)
+        self.cores = CoreShare(total=max(self.threads_before, share), share=share)
+        self.cores.register("update")
         updates, k = updates_per_step(cfg), cfg.rollout.max_staleness
         if 0 < k < updates:
             logger.warning(
@@ -171,14 +178,27 @@ class AsyncRollout(StepConsumer):
                 updates,
                 updates,
             )
+        run.llm.engine.before_step.append(self.cores.claim)  # the rollout thread's count, per engine step
         producer = ThreadedProducer(
             collect,
             first_step=first_step,
             last_step=cfg.train.max_steps,
             lead=lead_steps(cfg),
             timeout_s=cfg.rollout.async_timeout_s,
+            cores=self.cores,
         )
         super().__init__(run, producer, k)
+
+    def take(self, step: int) -> tuple[ProducedBatch, dict[str, float]]:
+        self.cores.busy("update", False)  # waiting for the batch: the rollout may take every core
+        try:
+            return super().take(step)
+        finally:
+            self.cores.busy("update", True)
+            self.cores.claim()
+
+    def claim_cores(self) -> None:
+        self.cores.claim()
 
     def step_done(self, step: int) -> dict[str, float]:
         metrics = super().step_done(step)
@@ -188,6 +208,9 @@ class AsyncRollout(StepConsumer):
 
     def close(self) -> None:
         super().close()
+        hooks = self.run.llm.engine.before_step
+        if self.cores.claim in hooks:
+            hooks.remove(self.cores.claim)
         torch.set_num_threads(self.threads_before)
 
 

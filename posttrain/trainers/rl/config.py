@@ -131,9 +131,13 @@ class RolloutSection:
     # (a version is one optimizer step). 0: on-policy (the same samples as sync). The rollout runs
     # max_staleness // (optimizer steps per RL step) steps ahead of the update.
     max_staleness: int = 1
-    # async: torch's intra-op threads while both sides run (one count for the process: torch keeps one);
-    # null: half of torch's threads at the start (at least 1), so the two sides together fill the cores.
+    # async: torch's intra-op threads each side runs while both are busy (a side that waits lends the other all of
+    # them); null: half of torch's threads at the start (at least 1), so the two sides together fill the cores.
     async_threads: int | None = None
+    # async: what sequences still being generated do when the weights change under them. keep: go on over the K/V
+    # they have (PipelineRL's in-flight update; the next tokens are drawn by the new weights and record the new
+    # version). recompute: re-prefill everything they hold under the new weights first (exact K/V, more compute).
+    running_kv: Literal["keep", "recompute"] = "keep"
     async_timeout_s: float = 600.0  # async: the trainer stops with an error when no batch comes within this
     # The engine over the live policy. max_model_len and max_num_seqs left at their defaults are set
     # from max_prompt_tokens + max_tokens and max(batch, data.eval_size) (a KV pool that fits, no more).
@@ -156,6 +160,10 @@ class RolloutSection:
             f"async_threads must be >= 1 or null, got {self.async_threads}",
         )
         _positive("async_timeout_s", self.async_timeout_s)
+        _need(
+            self.running_kv in ("keep", "recompute"),
+            f"running_kv must be keep or recompute, got {self.running_kv!r}",
+        )
 
 
 @dataclass

@@ -80,6 +80,13 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     )
 
 
+def claim_cores(run: RLRun) -> None:
+    """Before each micro-batch: async in one process, this thread takes the cores the rollout thread leaves it
+    (all of them while it waits at the staleness bound, rollout/core_share.py)."""
+    if run.async_rollout is not None:
+        run.async_rollout.claim_cores()
+
+
 @torch.no_grad()
 def scoring_pass(
     run: RLRun, data: StepBatch, module: nn.Module, with_values: bool, base_only: bool = False
@@ -95,6 +102,7 @@ def scoring_pass(
         context = disable_adapters(module)
     with context:
         for pack, rows in zip(data.packs, data.slices):
+            claim_cores(run)
             out = policy_forward(run, module, pack, value_head=run.value_head if with_values else None)
             logprobs[rows, : pack.max_len] = out.logprobs
             if values is not None:
@@ -164,6 +172,7 @@ def _micro_loss(
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """One micro-batch's forward and objective: its loss sums by denominator (see `_minibatch_counts`), and its
     parts of the logged losses; the diagnostics go to `means`, weighted by the micro-batch's tokens."""
+    claim_cores(run)
     pack, rows, L = micro.pack, micro.rows, micro.pack.max_len
 
     def take(per_token: Tensor | None) -> Tensor | None:  # (B, L) -> this micro-batch's (b, L_m)
@@ -231,7 +240,8 @@ def _optimizer_step(run: RLRun, step: int, out: dict[str, float], tokens: float,
             run.optimizer, run.scheduler, run.cfg.optim.max_grad_norm, loss=minibatch_loss
         )
         started_sync = time.perf_counter()
-        run.llm.weights_updated()  # the engine's next forward runs on the new weights
+        # The engine's next forward runs on the new weights (a rollout thread's running sequences over their K/V).
+        run.llm.weights_updated(keep_running_kv=run.cfg.rollout.running_kv == "keep")
     if run.async_rollout is not None:  # in one process the weight sync is the wait for an engine step's end + this
         means.add({"async/weight_sync_s": locked - waited + time.perf_counter() - started_sync}, 1.0)
     if run.guard is not None:

@@ -1,0 +1,52 @@
+"""The cores of one process shared between the rollout thread and the update (`rollout.mode: async` in one process).
+
+torch's intra-op thread count is a per-thread setting (torch.set_num_threads sets OpenMP's count for the calling
+thread), so each side runs with its own. While both sides are busy each runs `share` threads (with 2 cores: one
+each). While one side is idle (the update waiting for a batch, the rollout waiting at the staleness bound), the
+other runs all `total` threads: a fixed half each would leave a core idle for the whole of the other side's wait.
+
+Each side registers its thread once (`register`), says when it starts and stops waiting (`busy`), and calls `claim`
+at its safe points (the rollout before every engine step, the update before every micro-batch), where its count is
+set to what the other side's state allows. `claim` from a thread that did not register is a no-op, so the engine
+hook does nothing when the trainer steps the engine itself (evaluation, regenerating stale groups).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+SIDES = ("rollout", "update")
+
+
+class CoreShare:
+    def __init__(self, total: int, share: int) -> None:
+        if not 1 <= share <= total:
+            raise ValueError(f"share must be in [1, total={total}], got {share}")
+        self.total, self.share = total, share
+        self._busy = dict.fromkeys(SIDES, True)
+        self._sides: dict[int, str] = {}  # thread ident -> side
+
+    def register(self, side: str) -> None:
+        """The calling thread is `side` from now on; its count is set at once."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        self._sides[threading.get_ident()] = side
+        self.claim()
+
+    def busy(self, side: str, flag: bool) -> None:
+        self._busy[side] = flag  # one bool per side, written by its own thread only: no lock needed
+
+    def threads_for(self, side: str) -> int:
+        other = SIDES[1 - SIDES.index(side)]
+        return self.share if self._busy[other] else self.total
+
+    def claim(self) -> None:
+        """Set the calling thread's torch thread count to what its side may use now."""
+        side = self._sides.get(threading.get_ident())
+        if side is None:
+            return
+        threads = self.threads_for(side)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
