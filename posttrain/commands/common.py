@@ -35,8 +35,8 @@ def add_quant_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quant",
         default=None,
-        help="int8: int8 weight-only decode, the decoder's linear weights rounded per output channel at load "
-        "(a quarter of fp32's bytes; default: the model's own weights)",
+        help="int8: int8 weight-only decode, the decoder's linear weights rounded at load in groups of 32 with an "
+        "fp16 scale each, llama.cpp's Q8_0 grid (about a quarter of fp32's bytes; default: the model's own weights)",
     )
 
 

@@ -80,7 +80,7 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "rotary": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "silu_mul": [_ptr, _ptr, _ptr, _i64, _int],
     "sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int],
-    "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
 }
 
 
@@ -238,14 +238,17 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, block: int) -> tup
     return tokens, logprobs
 
 
-def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) fp32 times int8 codes (N, K) with fp32 row scales (N,) -> (M, N) fp32 (int8_linear.c)."""
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """x (M, K) fp32 times int8 codes (N, K) -> (M, N) fp32 (int8_linear.c). scales: fp32 (N,) or (N, 1), one per
+    row (group None), or (N, ceil(K / group)), one per `group` codes along a row (a multiple of 8)."""
     x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
     M, K = x.shape
     N = codes.shape[0]
+    if group is not None and group < K and group % 8:
+        raise ValueError(f"int8_linear: group={group} must be a multiple of 8")
     y = torch.empty(M, N, dtype=torch.float32)
     library().int8_linear(
-        x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads()
+        x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, group or K, torch.get_num_threads()
     )
     return y
 

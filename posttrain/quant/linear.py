@@ -10,6 +10,9 @@ How the matmul runs is chosen per call from KERNELS (first one that supports the
   CPU without fast bf16 (posttrain.hardware): posttrain's own C kernel (posttrain/kernels/int8_linear.c)
   widens the codes to float in registers, so the weight streams as int8 and the activations stay fp32.
   There torch's int8 kernel below would run on emulated bf16. Larger inputs (prefill) take the next kernel.
+  Grouped int8 (`int8-g32`, llama.cpp's Q8_0 grid) takes it on every CPU (torch has no grouped int8 kernel);
+  its prefill-sized inputs take `reference` (measured at 95 x 576 -> 1536: dequantize + fp32 matmul 1.9 ms, this
+  kernel 3.7 ms, fp32 1.4 ms).
 - `cpu_int4_bf16`, `cpu_int8_bf16`: torch's fused CPU weight-only kernels; they read the packed weights
   as stored and take bf16 activations (the input is rounded to bf16, the output cast back). Measured on
   this CPU (AVX-512): 2-3x faster than an fp32 matmul for decode-sized inputs (a few rows), slower than
@@ -316,26 +319,32 @@ def _cpu_int4_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_int8_native_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
-    return (
-        layer.scheme.bits == 8
-        and layer.scheme.symmetric
-        and layer.scheme.activation_bits is None
+    scheme = layer.scheme
+    if not (
+        scheme.bits == 8
+        and scheme.symmetric
+        and scheme.activation_bits is None
         and x.device.type == "cpu"
         and x.dtype == torch.float32
-        and x.shape[0] <= NATIVE_MAX_ROWS
-        and not hardware.cpu_features().fast_bf16
         and kernels.library() is not None
-    )
+    ):
+        return False
+    if x.shape[0] > NATIVE_MAX_ROWS:
+        return False
+    if scheme.group_size is not None:  # torch has no grouped int8 kernel: this one on every CPU
+        return scheme.group_size % 8 == 0 or scheme.group_size >= layer.in_features
+    return not hardware.cpu_features().fast_bf16
 
 
 def _cpu_int8_native_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    scales = _cached(layer, ("cpu_int8_native", x.device), lambda: layer.scales[:, 0].float().contiguous())
-    return kernels.int8_linear(x, layer.qweight, scales)  # (M, N)
+    scales = _cached(layer, ("cpu_int8_native", x.device), lambda: layer.scales.float().contiguous())  # (N, G)
+    return kernels.int8_linear(x, layer.qweight, scales, layer.scheme.group_size)  # (M, N)
 
 
 def _cpu_int8_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
     return (
         layer.scheme.bits == 8
+        and layer.scheme.group_size is None  # one scale per output channel
         and layer.scheme.activation_bits is None
         and x.device.type == "cpu"
         and hasattr(torch.ops.aten, "_weight_int8pack_mm")

@@ -104,6 +104,7 @@ SCHEMES: dict[str, QuantScheme] = {
     s.name: s
     for s in (
         QuantScheme("int8", 8, None, True),
+        QuantScheme("int8-g32", 8, 32, True),  # llama.cpp's Q8_0 grid: a scale per 32 weights
         QuantScheme("int8-asym", 8, None, False),
         QuantScheme("w8a8", 8, None, True, activation_bits=8),
         *(_int4(g, sym) for g in (32, 64, 128) for sym in (True, False)),

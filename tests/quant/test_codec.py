@@ -23,6 +23,7 @@ def round_trip(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def test_registry_names_and_fields():
     assert list(SCHEMES) == [
         "int8",
+        "int8-g32",
         "int8-asym",
         "w8a8",
         "int4-g32",
@@ -42,7 +43,7 @@ def test_registry_names_and_fields():
 @pytest.mark.parametrize(
     "make, problem",
     [
-        (lambda: get_scheme("int3"), "unknown quantization scheme 'int3' (choose from int8, int8-asym"),
+        (lambda: get_scheme("int3"), "unknown quantization scheme 'int3' (choose from int8, int8-g32, int8-asym"),
         (lambda: QuantScheme("x", 3, None, True), "bits=3"),
         (lambda: QuantScheme("x", 4, 1, True), "group_size=1 must be an integer >= 2"),
         (lambda: QuantScheme("x", 4, True, True), "group_size=True"),

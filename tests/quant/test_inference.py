@@ -20,25 +20,45 @@ from tests.quant.tiny import char_tokenizer, tiny_model, write_tiny_dir
 needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
 
 
-def int8_layer(out_features: int, in_features: int, seed: int = 0) -> QuantizedLinear:
+def int8_layer(out_features: int, in_features: int, seed: int = 0, scheme: str = "int8") -> QuantizedLinear:
     torch.manual_seed(seed)
-    return QuantizedLinear.from_linear(torch.nn.Linear(in_features, out_features, bias=False), "int8")
+    return QuantizedLinear.from_linear(torch.nn.Linear(in_features, out_features, bias=False), scheme)
 
 
 @needs_kernels
+@pytest.mark.parametrize("scheme", ["int8", "int8-g32"])
 @pytest.mark.parametrize("rows", [1, 3, 5, NATIVE_MAX_ROWS])
-@pytest.mark.parametrize("shape", [(64, 576), (30, 100)])  # 30 rows: a last block of 2; K = 100: a tail of 4
-def test_native_int8_kernel_matches_the_reference(rows: int, shape: tuple[int, int]):
-    layer = int8_layer(*shape)
+# 30 rows: a last block of 2; K = 100: a tail of 4 codes, and with groups of 32 a last group of 4
+@pytest.mark.parametrize("shape", [(64, 576), (30, 100)])
+def test_native_int8_kernel_matches_the_reference(scheme: str, rows: int, shape: tuple[int, int]):
+    layer = int8_layer(*shape, scheme=scheme)
     x = torch.randn(rows, shape[1])
     assert layer.kernel_for(x).name == "cpu_int8_native"  # tests/conftest.py pins an AVX2 CPU (no fast bf16)
     y = layer(x)
     weight = layer.dequantize()
     reference = torch.nn.functional.linear(x, weight)  # the scheme's exact semantics
-    # One sum of K products in another order (and the scale applied after it, not to each weight: one rounding
-    # more per term), relative to the size of the terms.
+    # One sum of K products in another order (and the scale applied after it, or to the code before it: one
+    # rounding more per term), relative to the size of the terms.
     bound = reorder_rtol(2, shape[1]) * (x.abs() @ weight.abs().t()).max()
     assert (y - reference).abs().max() <= bound
+
+
+@needs_kernels
+def test_grouped_int8_uses_each_groups_own_scale():
+    """Groups of 32 with very different magnitudes: a kernel that used one scale per row (or the wrong group's)
+    would be off by about the ratio between them, far past the rounding bound."""
+    torch.manual_seed(1)
+    weight = torch.randn(8, 96) * torch.tensor([1e-2, 1.0, 30.0]).repeat_interleave(32)  # 3 groups per row
+    layer = QuantizedLinear.from_float(weight, None, "int8-g32")
+    x = torch.randn(NATIVE_MAX_ROWS, 96)
+    assert layer.kernel_for(x).name == "cpu_int8_native"
+    assert layer.kernel_for(torch.randn(NATIVE_MAX_ROWS + 1, 96)).name == "reference"  # prefill: dequantize
+    reference = torch.nn.functional.linear(x, layer.dequantize())
+    assert (layer(x) - reference).abs().max() <= reorder_rtol(2, 96) * (x.abs() @ weight.abs().t()).max()
+    # The grid itself: each weight within half a step of its own group's grid, plus the fp16 scale's rounding
+    # (128 steps x 2^-11 relative: 1/16 of a step); on one grid per row the small groups would be off by far more.
+    step = weight.view(8, 3, 32).abs().amax(dim=-1, keepdim=True) / 128  # (8, 3, 1)
+    assert ((layer.dequantize() - weight).view(8, 3, 32).abs() <= step * (0.5 + 1 / 16)).all()
 
 
 def test_kernel_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch):
@@ -77,7 +97,10 @@ def test_int8_weights_take_about_a_quarter_of_the_bytes():
     before = weight_bytes(model) - embedding
     after = weight_bytes(quantize_for_inference(model, "int8")) - embedding
     linear_weights = before // 4  # fp32 values of the decoder linears
-    assert after == linear_weights + 4 * sum(m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.scheme.name == "int8-g32" for m in layers)  # `int8` for inference: llama.cpp's Q8_0 grid
+    # One byte per weight, and an fp16 scale per group of 32 along each row (a last group may be shorter).
+    assert after == linear_weights + sum(2 * m.out_features * -(-m.in_features // 32) for m in layers)
     assert not any(p.requires_grad for p in model.parameters())
 
 
