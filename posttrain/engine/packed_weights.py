@@ -69,7 +69,7 @@ class PackedWeights:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """F.linear(x, weight, bias) through a packed weight, or None where this call does not qualify."""
-        if not _qualifies(x, weight, bias):
+        if not fp32_cpu_operands(x, weight, bias):
             return None
         rows = x.numel() // x.shape[-1]
         if rows < MIN_ROWS:
@@ -95,7 +95,7 @@ class PackedWeights:
         return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def fp32_cpu_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """fp32 CPU operands without autograd, a contiguous 2-D weight and a 1-D bias or none."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2 or x.requires_grad:
         return False

@@ -12,16 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain import kernels
 from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
 from posttrain.engine import packed_weights
 from posttrain.engine.attention_backend import resolve_attention_backend
 from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
+from posttrain.engine.linear_mode import LinearMode
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
 from posttrain.engine.sampler import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
+from posttrain.engine.small_rows_linear import small_rows_linear
 from posttrain.errors import PosttrainError
 from posttrain.kernels.fused import fused_scope
 from posttrain.models.attention import PagedAttentionMetadata
@@ -273,10 +276,23 @@ class ModelRunner:
         return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
 
     def _weights_scope(self) -> AbstractContextManager:
-        """Around the forward: the linear layers through bf16 copies or MKL-packed ones, or as they are."""
+        """Around the forward: the linear layers through bf16 copies; or in fp32 on CPU, a few rows through the
+        native matrix-vector kernel (small_rows_linear.py) and more through MKL-packed weights; or as they are."""
         if self.bf16_weights is not None:
             return self.bf16_weights.scope()
+        if self._small_rows_native():
+            return LinearMode(self._fp32_linear)
         return self.packed_weights.scope() if self.packed_weights is not None else nullcontext()
+
+    def _small_rows_native(self) -> bool:
+        fp32 = self.dtype == torch.float32 and self.compute_dtype == torch.float32
+        return fp32 and self.device.type == "cpu" and self.config.cpu_kernels and kernels.library() is not None
+
+    def _fp32_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        out = small_rows_linear(x, weight, bias)
+        if out is None and self.packed_weights is not None:
+            out = self.packed_weights.linear(x, weight, bias)
+        return out
 
     def release_step_buffers(self) -> None:
         """Free what the engine keeps between steps only for speed: the attention's staged K/V and scratch

@@ -34,7 +34,13 @@ from posttrain.cache import cache_root
 logger = logging.getLogger("posttrain.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_decode.c", HERE / "decoder_ops.c", HERE / "sampler.c", HERE / "int8_linear.c"]
+SOURCES = [
+    HERE / "paged_decode.c",
+    HERE / "decoder_ops.c",
+    HERE / "sampler.c",
+    HERE / "int8_linear.c",
+    HERE / "f32_linear.c",
+]
 HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
 MARCH_ENV = "POSTTRAIN_CPU_KERNELS_MARCH"  # the instruction set to build for; unset: the CPU's own ("native")
@@ -81,6 +87,7 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "silu_mul": [_ptr, _ptr, _ptr, _i64, _int],
     "sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int],
     "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
+    "f32_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
 }
 
 
@@ -298,3 +305,25 @@ def _cpu_identity() -> bytes:
     except OSError:
         pass
     return "\n".join(parts).encode()
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) fp32 times an fp32 weight (N, K), plus bias (N,) -> (M, N) fp32, the output rows split over
+    torch's threads (f32_linear.c: for a few input rows, where MKL runs on one thread)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(M, N, dtype=torch.float32)
+    library().f32_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        M,
+        N,
+        K,
+        torch.get_num_threads(),
+    )
+    return y
