@@ -166,7 +166,7 @@ class AsyncRollout(StepConsumer):
     def __init__(self, run: Any, first_step: int, collect: Any) -> None:
         cfg = run.cfg
         self.threads_before = torch.get_num_threads()
-        share = min(cfg.rollout.async_threads or max(1, self.threads_before // 2), self.threads_before)
+        share = cfg.rollout.async_threads or max(1, self.threads_before // 2)
         self.cores = CoreShare(total=max(self.threads_before, share), share=share)
         self.cores.register("update")
         updates, k = updates_per_step(cfg), cfg.rollout.max_staleness
