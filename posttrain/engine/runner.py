@@ -97,6 +97,9 @@ class ModelRunner:
         self.allocate_kv_cache()
         # MKL-packed weights for the CPU fp32 forward (posttrain/engine/packed_weights.py); None: plain F.linear.
         self.packed_weights = packed_weights.PackedWeights() if self._packs_weights() else None
+        # In fp32 on CPU with the native kernels: a few input rows through their matrix-vector kernel
+        # (posttrain/engine/small_rows_linear.py).
+        self.small_rows_native = self._small_rows_native()
         # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py).
         self.bf16_weights = Bf16Weights() if self.compute_dtype != self.dtype else None
 
@@ -280,7 +283,7 @@ class ModelRunner:
         native matrix-vector kernel (small_rows_linear.py) and more through MKL-packed weights; or as they are."""
         if self.bf16_weights is not None:
             return self.bf16_weights.scope()
-        if self._small_rows_native():
+        if self.small_rows_native:
             return LinearMode(self._fp32_linear)
         return self.packed_weights.scope() if self.packed_weights is not None else nullcontext()
 
