@@ -14,12 +14,13 @@ import torch
 
 from posttrain import kernels
 from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
-from posttrain.engine import packed_weights
+from posttrain.engine import native_decode, packed_weights
 from posttrain.engine.attention_backend import resolve_attention_backend
 from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
 from posttrain.engine.linear_mode import LinearMode
+from posttrain.engine.native_decode import NativeDecode
 from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequence, token_logprobs_and_top
 from posttrain.engine.sampler import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
@@ -100,6 +101,13 @@ class ModelRunner:
         # In fp32 on CPU with the native kernels: a few input rows through their matrix-vector kernel
         # (posttrain/engine/small_rows_linear.py).
         self.small_rows_native = self._small_rows_native()
+        # Under those same conditions: decode steps of a few sequences through one native call for the whole
+        # decoder (posttrain/engine/native_decode.py), where the model's structure allows it.
+        self.native_decode = (
+            NativeDecode(model)
+            if self.small_rows_native and config.native_decode_step and native_decode.supports_model(model)
+            else None
+        )
         # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py).
         self.bf16_weights = Bf16Weights() if self.compute_dtype != self.dtype else None
 
@@ -266,6 +274,8 @@ class ModelRunner:
         with self._weights_scope():
             if self.graphs is not None and self.graphs.can_run(inputs.meta):
                 hidden = self.graphs.run(inputs)  # (N, d)
+            elif self.native_decode is not None and self.native_decode.can_run(inputs.input_ids, inputs.meta):
+                hidden = self.native_decode.run(inputs.input_ids, inputs.positions, inputs.meta)  # (N, d)
             else:
                 fused = fused_scope() if self.config.cpu_kernels else nullcontext()
                 with fused:  # fused elementwise ops on CPU (posttrain.kernels.fused)
@@ -314,6 +324,8 @@ class ModelRunner:
         self.release_packed_weights()
         if self.bf16_weights is not None:
             self.bf16_weights.clear()
+        if self.native_decode is not None:
+            self.native_decode.clear()
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: PromptRows | None, num_seqs: int

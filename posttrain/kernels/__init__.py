@@ -40,6 +40,7 @@ SOURCES = [
     HERE / "sampler.c",
     HERE / "int8_linear.c",
     HERE / "f32_linear.c",
+    HERE / "decode_step.c",
 ]
 HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
@@ -88,6 +89,7 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int],
     "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
     "f32_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
 }
 
 

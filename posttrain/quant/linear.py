@@ -337,8 +337,20 @@ def _cpu_int8_native_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
 
 
 def _cpu_int8_native_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    scales = _cached(layer, ("cpu_int8_native", x.device), lambda: layer.scales.float().contiguous())  # (N, G)
-    return kernels.int8_linear(x, layer.qweight, scales, layer.scheme.group_size)  # (M, N)
+    return kernels.int8_linear(x, layer.qweight, _native_scales(layer), layer.scheme.group_size)  # (M, N)
+
+
+def _native_scales(layer: QuantizedLinear) -> torch.Tensor:
+    return _cached(layer, ("cpu_int8_native", "cpu"), lambda: layer.scales.float().contiguous())  # (N, G) fp32
+
+
+def native_int8_operands(layer: QuantizedLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """What posttrain's int8 kernel computes `layer(x)` from, where `forward` would take that kernel for an input
+    like x (M, K): (codes (N, K) int8, scales (N, G) fp32, codes per scale); else None. The engine's native
+    decode step (posttrain/engine/native_decode.py) calls the kernel with them itself."""
+    if layer.kernel_for(x) is not KERNELS["cpu_int8_native"]:
+        return None
+    return layer.qweight, _native_scales(layer), layer.scheme.group_size or layer.in_features
 
 
 def _cpu_int8_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:

@@ -1,0 +1,296 @@
+"""The decoder of a decode step with a few rows in one native call (posttrain/kernels/decode_step.c).
+
+Why: at batch 1 a token's time is its weights' bytes (~30 ms for SmolLM2-135M in fp32 on a 2-core AVX2 machine)
+plus the module path's Python: ~210 linear layers and ~150 fused ops a token, each a module call, a dispatch through
+the runner's TorchFunctionMode (which sees ~3800 torch calls a token), checks and a fresh tensor (~14 ms). Here the
+embedding and the rotary tables come from the modules; every layer and the final norm run in C, over the same
+kernels in the same order, so a decode step's hidden states are bit for bit the module path's.
+
+When: the runner's fp32 CPU forward with the native kernels (EngineConfig.cpu_kernels, native_decode_step), a step
+of at most MAX_ROWS new tokens, with every layer of a kind this step knows: a dense Llama-family decoder
+(grouped-query attention, optional q/k norms and q/k/v biases, SwiGLU; no sliding window, latent attention or
+experts) whose linear layers are plain fp32 `nn.Linear`s or int8 `QuantizedLinear`s on posttrain's int8 kernel.
+Anything else (LoRA wrappers, bf16 compute, long prompts, more rows) takes the module path.
+
+A step of one new token per sequence attends with the module path's own plan: the result is bit for bit the module
+path's. A step with several new tokens per sequence (a speculative check: the last token and k drafts; a prompt of a
+few tokens) runs each token as a one-token query over its sequence's blocks (`one_query_per_token`), where the module
+path runs masked SDPA: equal to rounding, and at batch 1 each position's logits are bit for bit a plain decode
+step's, so a speculative engine's greedy output is exactly the plain one's.
+
+The layer table (ctypes structures of weight and K/V pool pointers) is built once and checked at every step against
+the model's current modules and tensors (module identity and data pointers: a few hundred dict reads and pointer
+reads, ~0.1 ms), so a LoRA wrapper, a new weight tensor or a reallocated pool rebuilds it; an optimizer's in-place
+step changes nothing the table holds (the kernels read the weights where they are).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from posttrain import kernels
+from posttrain.engine.small_rows_linear import MAX_ROWS
+from posttrain.models.attention import Attention
+from posttrain.models.layers import SwiGLU
+from posttrain.models.paged_plan import NativeDecodePlan, plan_for
+from posttrain.models.transformer import Transformer
+from posttrain.quant.linear import QuantizedLinear, native_int8_operands
+
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+class _Linear(ctypes.Structure):  # decode_step.c's DecodeLinear
+    _fields_ = [
+        ("weight", _ptr),
+        ("scales", _ptr),
+        ("bias", _ptr),
+        ("out_features", _i64),
+        ("in_features", _i64),
+        ("group", _i64),
+    ]
+
+
+class _Layer(ctypes.Structure):  # DecodeLayer
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_attention_norm", _ptr),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        *((name, _Linear) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+        ("kv_cache", _ptr),
+    ]
+
+
+class _Step(ctypes.Structure):  # DecodeStep
+    _fields_ = [
+        *((name, _i64) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("num_blocks", _i64),
+        ("block_size", _i64),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slots", _ptr),
+        ("tables", _ptr),
+        ("width", _i64),
+        ("context_lens", _ptr),
+        ("seq_rows", _ptr),
+        ("group_starts", _ptr),
+        ("group_shared", _ptr),
+        ("num_groups", _i64),
+        ("max_members", _i64),
+    ]
+
+
+@dataclass
+class _Table:
+    layers: ctypes.Array  # (num_layers,) _Layer
+    fingerprint: list[int]  # what it was built from: module ids and tensor data pointers, in a fixed order
+    keep: list[torch.Tensor]  # tensors derived for it (fp32 scales), kept alive while it points at them
+
+
+def supports_model(model: nn.Module) -> bool:
+    """Whether the model's structure is one the native step computes (before looking at its linear layers)."""
+    if type(model) is not Transformer:
+        return False
+    cfg = model.config
+    return (
+        cfg.mla is None
+        and cfg.moe is None
+        and all(cfg.attention_window(i) is None for i in range(cfg.num_hidden_layers))
+        and cfg.head_dim % kernels.LANES == 0
+        and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+        and all(type(layer.self_attn) is Attention and type(layer.mlp) is SwiGLU for layer in model.layers)
+    )
+
+
+class NativeDecode:
+    """Runs the runner's decode steps of up to MAX_ROWS sequences in one native call where it can."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self._table: _Table | None = None
+        self.steps = 0  # steps it ran (tests, stats)
+
+    def can_run(self, input_ids: torch.Tensor, meta) -> bool:  # noqa: ANN001 (PagedAttentionMetadata)
+        """Whether this step is one the native step takes: pure decode, few rows, an fp32 pool the C kernels read."""
+        rows = input_ids.numel()
+        if not (0 < rows <= MAX_ROWS and meta.native_kernels):
+            return False
+        if meta.backend not in (None, "cpu") or kernels.library() is None:
+            return False
+        cache = meta.kv_caches[0]
+        return cache.dtype == torch.float32 and cache.is_contiguous() and self._current_table(meta, rows) is not None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
+        """The final norm's hidden states (N, d) of the step, as `model.hidden_states` computes them."""
+        model, cfg = self.model, self.model.config
+        table = self._table
+        x = model.embed_tokens(input_ids).contiguous()  # (N, d): the residual stream, updated in place
+        cos, sin = model.rotary(positions)  # (N, D) each
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        cache = meta.kv_caches[0]
+        if meta.max_query_len == 1:  # the module path's plan (groups read their shared blocks once): its very result
+            plan = plan_for(meta, cache.shape[2], native=True).native_decode
+        else:  # a speculative check or a short prompt: each new token a query of its own
+            plan = one_query_per_token(meta)
+        N, d, D = x.shape[0], cfg.hidden_size, cfg.head_dim
+        q_size, kv_size, inner = cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.intermediate_size
+        scratch = torch.empty(N * (2 * d + 3 * q_size + 3 * kv_size + 3 * inner))  # decode_step.c carves it
+        out = torch.empty_like(x)
+        slots = meta.slot_mapping.contiguous()
+        step = _Step(
+            N,
+            d,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            D,
+            inner,
+            cfg.rms_norm_eps,
+            D**-0.5,
+            cache.shape[1],
+            cache.shape[2],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            plan.tables.data_ptr(),
+            plan.tables.shape[1],
+            plan.context_lens.data_ptr(),
+            plan.rows.data_ptr(),
+            plan.group_starts.data_ptr(),
+            plan.group_shared.data_ptr(),
+            plan.group_shared.numel(),
+            plan.max_members,
+        )
+        kernels.library().decode_layers(
+            ctypes.addressof(table.layers),
+            len(table.layers),
+            ctypes.addressof(step),
+            x.data_ptr(),
+            out.data_ptr(),
+            model.norm.weight.data_ptr(),
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        self.steps += 1
+        return out
+
+    def clear(self) -> None:
+        self._table = None
+
+    # ---- the layer table -------------------------------------------------------------------------------
+
+    def _current_table(self, meta, rows: int) -> _Table | None:  # noqa: ANN001
+        """The table for the model as it is now, rebuilt when a module or tensor moved; None where some layer is
+        not one the native step computes (then every step checks again: a LoRA wrapper may come off)."""
+        fingerprint = self._fingerprint(meta)
+        if self._table is None or self._table.fingerprint != fingerprint:
+            self._table = self._build(meta, rows, fingerprint)
+        return self._table
+
+    def _fingerprint(self, meta) -> list[int]:  # noqa: ANN001
+        prints: list[int] = []
+        for layer, cache in zip(self.model.layers, meta.kv_caches):
+            modules = layer._modules  # plain dict reads: nn.Module.__getattr__ costs ~1 us each
+            attention, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+            for linear in (*(attention[n] for n in ATTENTION_LINEARS), *(mlp[n] for n in MLP_LINEARS)):
+                prints.append(id(linear))
+                if type(linear) is nn.Linear:  # an optimizer steps these in place: the kernels read them live
+                    prints.extend(t.data_ptr() if t is not None else 0 for t in linear._parameters.values())
+                else:  # frozen codes and scales: a reload writes them in place too, and the table holds derived scales
+                    for t in linear._buffers.values():
+                        prints.extend((t.data_ptr(), t._version) if t is not None else (0, 0))
+            for norm in (modules["input_layernorm"], modules["post_attention_layernorm"]):
+                prints.append(norm._parameters["weight"].data_ptr())
+            for norm in (attention.get("q_norm"), attention.get("k_norm")):  # None: not registered
+                prints.append(norm._parameters["weight"].data_ptr() if norm is not None else 0)
+            prints.append(cache.data_ptr())
+        return prints
+
+    def _build(self, meta, rows: int, fingerprint: list[int]) -> _Table | None:  # noqa: ANN001
+        probe = torch.empty(rows, self.model.config.hidden_size)  # what a linear layer's kernel choice looks at
+        layers = (_Layer * len(self.model.layers))()
+        keep: list[torch.Tensor] = []
+        for entry, layer, cache in zip(layers, self.model.layers, meta.kv_caches):
+            attention, mlp = layer.self_attn, layer.mlp
+            for field, module in zip(("q", "k", "v", "o"), (getattr(attention, n) for n in ATTENTION_LINEARS)):
+                if not _fill_linear(getattr(entry, field), module, probe, keep):
+                    return None
+            for field, module in zip(("gate", "up", "down"), (getattr(mlp, n) for n in MLP_LINEARS)):
+                if not _fill_linear(getattr(entry, field), module, probe, keep):
+                    return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
+            if any(norm is not None and not _fp32_vector(norm.weight) for norm in norms):
+                return None
+            entry.input_norm, entry.post_attention_norm = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
+            entry.q_norm = norms[2].weight.data_ptr() if norms[2] is not None else None
+            entry.k_norm = norms[3].weight.data_ptr() if norms[3] is not None else None
+            entry.kv_cache = cache.data_ptr()
+        if not _fp32_vector(self.model.norm.weight):
+            return None
+        return _Table(layers, fingerprint, keep)
+
+
+def _fill_linear(entry: _Linear, module: nn.Module, probe: torch.Tensor, keep: list[torch.Tensor]) -> bool:
+    """Point `entry` at an fp32 nn.Linear's weight or an int8 layer's codes and scales; False for any other."""
+    if type(module) not in (nn.Linear, QuantizedLinear):
+        return False
+    bias = module.bias
+    if bias is not None and not _fp32_vector(bias):
+        return False
+    entry.bias = bias.data_ptr() if bias is not None else None
+    if type(module) is nn.Linear:
+        weight = module.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            return False
+        entry.weight, entry.scales, entry.group = weight.data_ptr(), None, 0
+        entry.out_features, entry.in_features = weight.shape
+        return True
+    operands = native_int8_operands(module, _probe(probe, module))
+    if operands is None:
+        return False
+    codes, scales, group = operands
+    keep.append(scales)
+    entry.weight, entry.scales, entry.group = codes.data_ptr(), scales.data_ptr(), group
+    entry.out_features, entry.in_features = codes.shape
+    return True
+
+
+def _probe(probe: torch.Tensor, module: QuantizedLinear) -> torch.Tensor:
+    """An input of the step's rows and this layer's in_features (the MLP's down projection takes more)."""
+    if probe.shape[1] == module.in_features:
+        return probe
+    return torch.empty(probe.shape[0], module.in_features)
+
+
+def one_query_per_token(meta) -> NativeDecodePlan:  # noqa: ANN001 (PagedAttentionMetadata)
+    """The decode kernel's plan for a step whose sequences bring several new tokens (a speculative check: the last
+    token and the drafts; a short prompt): every token a lone one-token query over its sequence's blocks, seeing its
+    context up to itself. Token j of a sequence with L new tokens and context C (after the step's writes) sees
+    C - L + 1 + j tokens. The step's K/V are all written before any layer attends, as in the module path.
+
+    A token's result is then what a plain decode step computes at its position (bit for bit at batch 1, where a
+    decode step's sequence is a lone group too), where the module path would run these rows through masked SDPA."""
+    query_lens, context_lens = meta.query_lens, meta.context_lens  # (S,) each
+    S, N = query_lens.numel(), int(query_lens.sum())
+    seq = torch.repeat_interleave(torch.arange(S), query_lens)  # (N,) the sequence of each new token
+    first = torch.cumsum(query_lens, 0) - query_lens  # (S,) row of each sequence's first new token
+    j = torch.arange(N) - first[seq]  # (N,) its place among its sequence's new tokens
+    return NativeDecodePlan(
+        tables=meta.block_tables.index_select(0, seq).contiguous(),  # (N, W)
+        context_lens=(context_lens[seq] - query_lens[seq] + 1 + j).contiguous(),  # (N,)
+        rows=torch.arange(N),
+        group_starts=torch.arange(N + 1),  # N groups of one that share nothing
+        group_shared=torch.zeros(N, dtype=torch.long),
+        max_members=1,
+    )
+
+
+def _fp32_vector(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()

@@ -1,0 +1,142 @@
+/* The whole decoder for a decode step of a few sequences in one native call (batch-1 serving, small batches).
+ *
+ * Why: with one to a few rows a decode step is bound by the weights' bytes (SmolLM2-135M: ~30 ms a token in fp32
+ * on a 2-core AVX2 machine), and the PyTorch module path adds ~14 ms of Python on top: ~210 linear layers and
+ * ~150 fused ops a token, each a module call, a dispatch through the engine's TorchFunctionMode, a few checks and
+ * a fresh tensor. Here the same kernels run back to back from C over preallocated scratch.
+ *
+ * It computes what the engine's module path computes with the native kernels on, op for op and in the same
+ * order, by calling the very same functions (f32_linear, int8_linear, rms_norm, add_rms_norm, rotary, silu_mul,
+ * paged_write_kv, paged_decode_attention): the hidden states are bit for bit the module path's (tested).
+ *
+ * Per layer, x (M, d) the residual stream, updated in place:
+ *     h = rms_norm(x)                                      input_layernorm
+ *     q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)     (M, H*D), (M, Hkv*D), (M, Hkv*D)
+ *     q, k = rms_norm per head (Qwen3's q_norm / k_norm, when given)
+ *     q, k = rotary(q), rotary(k)                          cos, sin (M, D)
+ *     cache[slot] = k, v; a = attention(q, cache)          the paged pool, the step's decode plan
+ *     x, h = x + a Wo^T, rms_norm(x + a Wo^T)              post_attention_layernorm
+ *     x = x + (silu(h Wg^T) * h Wu^T) Wd^T
+ * then out = rms_norm(x) with the final norm.
+ *
+ * A linear layer is fp32 (group 0) or weight-only int8 (codes with `group` codes per scale, >= K: one per row),
+ * with an fp32 bias or none; an int8 layer's bias is added after its product, as QuantizedLinear does.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The kernels this step chains (the other sources of the library). */
+void f32_linear(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                int threads);
+void int8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t group, int threads);
+void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t d, float eps, int threads);
+void add_rms_norm(const float* x, const float* delta, const float* weight, float* sum, float* out, int64_t rows,
+                  int64_t d, float eps, int threads);
+void rotary(const float* x, const float* cos, const float* sin, float* out, int64_t n, int64_t heads, int64_t d,
+            int threads);
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, int threads);
+void paged_write_kv(char* cache, const char* k, const char* v, const int64_t* slots, int64_t n, int64_t num_slots,
+                    int64_t row_bytes, int threads);
+void paged_decode_attention(const float* q, const float* cache, float* out, int64_t num_blocks, int64_t bs,
+                            int64_t hkv, int64_t group, int64_t d, const int64_t* tables, int64_t width,
+                            const int64_t* ctx, const int64_t* rows, const int64_t* group_starts,
+                            const int64_t* group_shared, int64_t num_groups, int64_t max_members, float scale,
+                            int threads);
+
+typedef struct {
+    const void* weight;  /* fp32 (N, K), or int8 codes (N, K) */
+    const float* scales; /* int8: (N, ceil(K / group)) fp32; NULL for fp32 */
+    const float* bias;   /* (N,) fp32 or NULL */
+    int64_t out_features, in_features;
+    int64_t group; /* 0: fp32 weight; else int8 codes per scale along a row */
+} DecodeLinear;
+
+typedef struct {
+    const float* input_norm;          /* (d,) */
+    const float* post_attention_norm; /* (d,) */
+    const float* q_norm;              /* (D,) or NULL */
+    const float* k_norm;              /* (D,) or NULL */
+    DecodeLinear q, k, v, o, gate, up, down;
+    float* kv_cache; /* (2, num_blocks, block_size, Hkv, D) fp32 */
+} DecodeLayer;
+
+typedef struct {
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale; /* the norms' epsilon; the attention's 1 / sqrt(D) */
+    int64_t num_blocks, block_size;
+    const float* cos; /* (rows, D) */
+    const float* sin;
+    const int64_t* slots; /* (rows,) flat K/V slot of each row's new token */
+    /* the decode plan (posttrain/models/paged_plan.py NativeDecodePlan): S = rows sequences */
+    const int64_t* tables; /* (S, width) */
+    int64_t width;
+    const int64_t* context_lens; /* (S,) */
+    const int64_t* seq_rows;     /* (S,) */
+    const int64_t* group_starts; /* (G + 1,) */
+    const int64_t* group_shared; /* (G,) */
+    int64_t num_groups, max_members;
+} DecodeStep;
+
+/* y (M, N) = x (M, K) through one linear layer. */
+static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, int threads) {
+    const int64_t N = l->out_features, K = l->in_features;
+    if (l->group == 0) {
+        f32_linear(x, (const float*)l->weight, l->bias, y, M, N, K, threads);
+        return;
+    }
+    int8_linear(x, (const int8_t*)l->weight, l->scales, y, M, N, K, l->group, threads);
+    if (l->bias != NULL)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * N + n] += l->bias[n];
+}
+
+/* x (M, d): the step's embeddings in, the residual stream after the last layer out; out (M, d): the final
+ * norm's output (the hidden states the LM head projects). scratch: M * (2 d + 3 H*D + 3 Hkv*D + 3 I) floats,
+ * carved below (posttrain/engine/native_decode.py allocates it). */
+void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeStep* s, float* x, float* out,
+                   const float* final_norm, float* scratch, int threads) {
+    const int64_t M = s->rows, d = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
+    const int64_t q_size = H * D, kv_size = Hkv * D, I = s->intermediate;
+    float* h = scratch;                  /* (M, d) the normed input of the attention, then of the MLP */
+    float* q = h + M * d;                /* (M, H*D) two buffers for the queries: each op writes the other */
+    float* q_other = q + M * q_size;
+    float* k = q_other + M * q_size;     /* (M, Hkv*D) two for the keys */
+    float* k_other = k + M * kv_size;
+    float* v = k_other + M * kv_size;    /* (M, Hkv*D) */
+    float* attended = v + M * kv_size;   /* (M, H*D) */
+    float* gate = attended + M * q_size; /* (M, I) */
+    float* up = gate + M * I;
+    float* act = up + M * I;
+    float* delta = act + M * I; /* (M, d) the output projection, then the MLP's */
+    for (int64_t i = 0; i < num_layers; i++) {
+        const DecodeLayer* L = layers + i;
+        float *qa = q, *qb = q_other, *ka = k, *kb = k_other, *swap;
+        rms_norm(x, L->input_norm, h, M, d, s->eps, threads);
+        linear(&L->q, h, qa, M, threads);
+        linear(&L->k, h, ka, M, threads);
+        linear(&L->v, h, v, M, threads);
+        if (L->q_norm != NULL) { /* Qwen3: each head of q and k normed before the rotary embedding */
+            rms_norm(qa, L->q_norm, qb, M * H, D, s->eps, threads);
+            rms_norm(ka, L->k_norm, kb, M * Hkv, D, s->eps, threads);
+            swap = qa, qa = qb, qb = swap;
+            swap = ka, ka = kb, kb = swap;
+        }
+        rotary(qa, s->cos, s->sin, qb, M, H, D, threads);
+        rotary(ka, s->cos, s->sin, kb, M, Hkv, D, threads);
+        paged_write_kv((char*)L->kv_cache, (const char*)kb, (const char*)v, s->slots, M, s->num_blocks * s->block_size,
+                       kv_size * (int64_t)sizeof(float), threads);
+        paged_decode_attention(qb, L->kv_cache, attended, s->num_blocks, s->block_size, Hkv, H / Hkv, D, s->tables,
+                               s->width, s->context_lens, s->seq_rows, s->group_starts, s->group_shared,
+                               s->num_groups, s->max_members, s->scale, threads);
+        linear(&L->o, attended, delta, M, threads);
+        add_rms_norm(x, delta, L->post_attention_norm, x, h, M, d, s->eps, threads);
+        linear(&L->gate, h, gate, M, threads);
+        linear(&L->up, h, up, M, threads);
+        silu_mul(gate, up, act, M * I, threads);
+        linear(&L->down, act, delta, M, threads);
+        for (int64_t j = 0; j < M * d; j++) x[j] += delta[j];
+    }
+    rms_norm(x, final_norm, out, M, d, s->eps, threads);
+}
