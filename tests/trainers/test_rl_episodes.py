@@ -140,7 +140,7 @@ def test_train_grpo_evaluates_with_episodes(tmp_path: Path, data: Path) -> None:
     [
         ("env.max_turns=0", "max_turns must be >= 1"),
         ("env.truncated_reward=nan", "env.truncated_reward"),
-        ("algorithm=reinforce_pp", "outcome advantage"),
+        ("env.turn_rewards=per_turn", "only a token-level advantage uses"),
         ("env.name=", "name must name an environment"),
     ],
 )
