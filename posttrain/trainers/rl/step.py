@@ -211,5 +211,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     metrics.update(timer.metrics())
     metrics.update(peak_memory_gb(run.device))
     if sharded:  # counts and throughputs add up over the ranks; means (over equal shares) average
-        metrics = reduce_metrics(metrics, SUMMED_METRICS, run.device)
+        # env/*: per-episode rates a rank leaves out where none of its episodes met the case (env/finish/<reason>,
+        # env/tool_calls/<tool>): 0 there, not absent
+        metrics = reduce_metrics(metrics, SUMMED_METRICS, run.device, absent_is_zero=("env/",))
     return metrics
