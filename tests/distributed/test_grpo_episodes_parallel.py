@@ -9,7 +9,6 @@ shares) averaged over the ranks are the whole batch's."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from tests.data.tiny import tiny_tokenizer
 from tests.distributed.equivalence import assert_same_steps, assert_same_weights
 from tests.distributed.launch import final_weights, max_difference, torchrun
 from tests.numeric import EQUIVALENCE_EPS, reorder_close
-from tests.rollout.episode_helpers import turn_ending_model
+from tests.rollout.episode_helpers import turn_ending_model, write_questions
 
 # The same episodes: their count, rewards and lengths; every env/* rate but the time shares, below.
 SAMPLED = ("num_samples", "reward/mean", "response_len/mean")
@@ -38,10 +37,7 @@ def overrides(tmp_path_factory) -> list[str]:
     episodes itself), a model that ends its turns after a few tokens, a KL term against a frozen reference."""
     root = tmp_path_factory.mktemp("grpo-episodes-dist")
     model = save_hf_dir(turn_ending_model(), root / "model", tokenizer=tiny_tokenizer())
-    data = root / "questions.jsonl"
-    data.write_text(
-        "".join(json.dumps({"question": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n" for i in range(16))
-    )
+    data = write_questions(root / "questions.jsonl", 16)
     return [
         f"model.name_or_path={model}",
         "data.task=null",

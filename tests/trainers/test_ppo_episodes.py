@@ -23,7 +23,15 @@ from posttrain.trainers.rl.ppo import ppo_advantages
 from posttrain.trainers.rl.update import prepare_batch
 from tests.data.tiny import tiny_tokenizer
 from tests.numeric import serial_sum_rtol
-from tests.rollout.episode_helpers import ROWS, ScriptedEnv, make_llm, plain_parser, runner, turn_ending_model
+from tests.rollout.episode_helpers import (
+    ROWS,
+    ScriptedEnv,
+    make_llm,
+    plain_parser,
+    runner,
+    turn_ending_model,
+    write_questions,
+)
 
 # Two model turns (tokens 0-1 and 4-5) around a two-token observation (2-3), then padding (6).
 EPISODE_MASK = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
@@ -115,10 +123,7 @@ def test_per_turn_rewards_land_on_each_turn_s_last_model_token() -> None:
 
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
-    path = tmp_path / "questions.jsonl"
-    rows = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_questions(tmp_path / "questions.jsonl")
 
 
 def _overrides(tmp_path: Path, data: Path, name: str, *extra: str) -> list[str]:
