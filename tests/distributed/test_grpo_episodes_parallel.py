@@ -16,8 +16,8 @@ import pytest
 from posttrain.config import load_config
 from posttrain.metrics import read_metrics
 from posttrain.models.checkpoint_io import read_safetensors, save_hf_dir
-from posttrain.trainers.rl import train_grpo
-from posttrain.trainers.rl.config import GRPOConfig
+from posttrain.trainers.rl import train_grpo, train_ppo
+from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
 from tests.data.tiny import tiny_tokenizer
 from tests.distributed.equivalence import assert_same_steps, assert_same_weights
 from tests.distributed.launch import final_weights, max_difference, torchrun
@@ -84,3 +84,27 @@ def test_two_processes_take_the_episode_steps_of_one(overrides, tmp_path):
     model_dir = Path(next(o for o in overrides if o.startswith("model.")).split("=", 1)[1])
     assert max_difference(read_safetensors(model_dir), reference) > 1e-3  # the steps moved the weights
     assert_same_weights(final_weights(out), reference, lr=LR, eps=EQUIVALENCE_EPS, updates=2)
+
+
+def test_two_processes_take_the_ppo_episode_step_of_one(overrides, tmp_path):
+    """PPO on episodes with per-turn rewards (the scripted environment's 0.5 per step): GAE on each rank's
+    episodes, the advantages whitened over every rank's model tokens, two minibatches. One step (its rollout comes
+    before any update, so its episodes are the single process's exactly)."""
+    args = [
+        *[o for o in overrides if not o.startswith(("train.max_steps", "kl.beta"))],
+        "train.max_steps=1",
+        "train.epochs=1",
+        "train.minibatch_size=4",
+        f"ppo.value_lr={LR}",
+        "env.turn_rewards=per_turn",
+        "env.options.turn_reward=0.5",
+    ]
+    one = train_ppo(load_config(PPOConfig, None, [*args, f"out={tmp_path / 'one'}"]))
+    two = tmp_path / "two"
+    torchrun(2, ["ppo", *args, f"out={two}", "dist.strategy=ddp"])
+    got, want = read_metrics(two), read_metrics(one)
+    assert [r["step"] for r in want] == [1] and want[0]["env/turns"] > 1
+    # (value/returns_mean is a mean over each rank's tokens, which the ranks hold in unequal numbers: not compared)
+    sampled = ("optimizer_steps", "reward/mean", "env/turns", "env/tokens_observation")
+    assert_same_steps(got, want, lr=LR, eps=EQUIVALENCE_EPS, sampled=sampled, updates_per_step=2)
+    assert_same_weights(final_weights(two), final_weights(one), lr=LR, eps=EQUIVALENCE_EPS, updates=2)
