@@ -234,3 +234,20 @@ def test_posttrain_ppo_cli_plays_guess_number_from_yaml(tmp_path: Path, model_di
     for metrics in steps:
         for key in ("loss/policy", "loss/value", "env/turns", "reward/mean"):
             assert math.isfinite(metrics[key]), key
+
+
+def test_reinforce_pp_steps_on_episodes_with_per_turn_rewards(tmp_path: Path, data: Path) -> None:
+    overrides = _overrides(tmp_path, data, "rpp", "algorithm=reinforce_pp", "env.turn_rewards=per_turn")
+    run = setup_run(
+        load_config(GRPOConfig, None, overrides),
+        "grpo",
+        model=turn_ending_model(),
+        tokenizer=tiny_tokenizer(),
+        make_env=lambda: ScriptedEnv(turn_reward=0.5),
+        parser=plain_parser,
+    )
+    for step in (1, 2):
+        metrics = rl_step(run, step)
+        assert metrics["optimizer_steps"] == 2 * step  # 1 epoch x 2 minibatches of one group
+        for key in ("loss/policy", "grad_norm", "env/turns"):
+            assert math.isfinite(metrics[key]), key
