@@ -93,6 +93,35 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 @torch.no_grad()
+def outcome_token_rewards(
+    scores: Tensor,
+    mask: Tensor,
+    *,
+    turn_rewards: Tensor | None = None,
+    per_token_kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> Tensor:
+    """Token rewards of the token-level estimators: each row's outcome score on its LAST valid position (in a
+    multi-turn episode the last model token, never an observation after it), plus per-token rewards placed by the
+    caller (an episode's per-turn rewards on each turn's last model token), minus kl_coef * KL per valid token.
+
+    scores (B,) with NaN = unscorable (placed as 0); mask, turn_rewards, per_token_kl (B, T). Returns (B, T)
+    float32, zero outside the mask.
+    """
+    if mask.dim() != 2 or scores.shape != mask.shape[:1]:
+        raise ValueError(f"scores (B,) and mask (B, T) disagree: {tuple(scores.shape)} vs {tuple(mask.shape)}")
+    mask = mask.float()  # (B, T)
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)  # (B,) last valid position
+    token_rewards = torch.zeros_like(mask)  # (B, T)
+    token_rewards[torch.arange(mask.shape[0]), last] = torch.nan_to_num(scores.float()) * mask.amax(dim=1)
+    if turn_rewards is not None:
+        token_rewards = token_rewards + turn_rewards.float() * mask
+    if per_token_kl is not None and kl_coef:
+        token_rewards = token_rewards - kl_coef * per_token_kl.float() * mask
+    return token_rewards
+
+
+@torch.no_grad()
 def reinforce_pp_advantages(
     rewards: Tensor,
     mask: Tensor,
@@ -100,17 +129,22 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     per_token_kl: Tensor | None = None,
     kl_coef: float = 0.0,
+    turn_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): KL-shaped token rewards, returns-to-go, batch whitening.
 
     Follows verl's `compute_reinforce_plus_plus_outcome_advantage` with `use_kl_in_reward`
     (verl/trainer/ppo/core_algos.py and `apply_kl_penalty` in ray_trainer.py):
-        token reward  r_t = score * [t is the last response token] - kl_coef * kl_t
-        return        G_t = r_t + gamma * G_{t+1}     (G restarts at 0 across a masked position)
+        token reward  r_t = score * [t is the last response token] - kl_coef * kl_t  (`outcome_token_rewards`)
+        return        G_t = r_t + gamma * G_{t'}     (t' = the next valid position; 0 past the end)
         advantage     A_t = whiten(G_t) over all valid tokens of the batch (unbiased var, eps 1e-8)
-    `per_token_kl` is the k1 estimate (log pi_old - log pi_ref) in verl's default; pass any
-    `KL_ESTIMATORS` output. Unscorable rows (NaN score) are left out of the whitening statistics and
-    get advantage 0. Fewer than two valid tokens in the batch -> all zeros.
+    Masked positions are skipped, not steps: the return is carried across them unchanged, so the observation
+    tokens between an episode's turns neither cut nor discount it (verl restarts the return at a masked position,
+    which for a multi-turn response would leave every turn before the last without the outcome). For a single
+    turn, whose masked positions all trail the response, the two agree. `per_token_kl` is the k1 estimate
+    (log pi_old - log pi_ref) in verl's default; pass any `KL_ESTIMATORS` output. `turn_rewards` (B, T): rewards
+    on chosen tokens (an episode's per-turn rewards). Unscorable rows (NaN score) are left out of the whitening
+    statistics and get advantage 0. Fewer than two valid tokens in the batch -> all zeros.
 
     rewards: (B,) outcome scores; mask: (B, T) response tokens. Returns (advantages, returns), (B, T).
     """
@@ -118,18 +152,16 @@ def reinforce_pp_advantages(
         raise ValueError(f"rewards (B,) and mask (B, T) disagree: {tuple(rewards.shape)} vs {tuple(mask.shape)}")
     mask = mask.float()  # (B, T)
     scorable = ~torch.isnan(rewards)  # (B,)
-    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)  # (B,) last valid position
-    token_rewards = torch.zeros_like(mask)  # (B, T)
-    token_rewards[torch.arange(mask.shape[0]), last] = torch.nan_to_num(rewards.float()) * mask.amax(dim=1)
-    if per_token_kl is not None:
-        token_rewards = token_rewards - kl_coef * per_token_kl.float() * mask
+    token_rewards = outcome_token_rewards(
+        rewards, mask, turn_rewards=turn_rewards, per_token_kl=per_token_kl, kl_coef=kl_coef
+    )  # (B, T)
 
     returns = torch.zeros_like(token_rewards)  # (B, T)
-    running = torch.zeros_like(token_rewards[:, 0])  # (B,)
+    running = torch.zeros_like(token_rewards[:, 0])  # (B,) G at the next valid position
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
+        valid = mask[:, t]
+        running = valid * (token_rewards[:, t] + gamma * running) + (1 - valid) * running
         returns[:, t] = running
-        running = running * mask[:, t]  # verl: a masked position cuts the return (padding, tool output)
 
     stats_mask = mask * scorable.unsqueeze(1)  # (B, T)
     return masked_whiten(returns, stats_mask), returns * mask

@@ -83,13 +83,18 @@ def broadcast_object(obj: Any) -> Any:
 
 
 def reduce_metrics(
-    metrics: dict[str, Any], sum_keys: set[str] | frozenset[str], device: torch.device
+    metrics: dict[str, Any],
+    sum_keys: set[str] | frozenset[str],
+    device: torch.device,
+    absent_is_zero: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Metrics of the whole step from each rank's share: keys in `sum_keys` summed over the ranks (token
     counts, each rank's part of a globally-normalised loss), every other numeric key averaged over the ranks
     that have it (values that are the same on every rank, such as the gradient norm after the reduction, stay
-    what they are). A key only some ranks report (a metric of a case one rank met) is reduced over those.
-    Text values stay this rank's. Two collectives: the key lists, then one all-reduce."""
+    what they are). A key only some ranks report (a metric of a case one rank met) is reduced over those, unless
+    it starts with one of `absent_is_zero`: a rate a rank leaves out when it is 0 there (the share of episodes
+    that ended one way), averaged over every rank. Text values stay this rank's. Two collectives: the key lists,
+    then one all-reduce."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(metrics)
     numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -104,6 +109,8 @@ def reduce_metrics(
     )
     dist.all_reduce(table)
     totals, counts = table.tolist()
+    world = float(dist.get_world_size())
+    counts = [world if k.startswith(absent_is_zero) else c for k, c in zip(keys, counts)]
     reduced = {k: total if k in sum_keys else total / count for k, total, count in zip(keys, totals, counts)}
     return {**metrics, **reduced}
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 PROMPT_KEY = "prompt"  # every row handed to the trainer carries its prompt under this key
-EPISODE_FIELDS = ("completion_mask", "completion_messages", "env_rewards", "turn_rewards")
+EPISODE_FIELDS = ("completion_mask", "completion_messages", "env_rewards", "turn_rewards", "token_rewards")
 
 
 @dataclass
@@ -37,6 +37,9 @@ class RolloutBatch:
     completion_messages: list[list[dict[str, Any]]] | None = None  # per sample: what the reward functions see
     env_rewards: list[float | None] | None = None  # per sample: the episode's own reward; None: score it
     turn_rewards: list[float] | None = None  # per sample: per-turn rewards added to the outcome (env.turn_rewards)
+    # per sample, per token: each per-turn reward on the last model token of its turn, 0 elsewhere
+    # (env.turn_rewards=per_turn, for the token-level advantages)
+    token_rewards: list[list[float]] | None = None
 
     @property
     def num_groups(self) -> int:

@@ -26,7 +26,7 @@ from posttrain.rollout.episodes import Episode, EpisodeLimits, EpisodeRunner, Ep
 from posttrain.rollout.generate import EngineCall
 
 TruncatedReward = Literal["zero", "unscorable"]
-TurnRewards = Literal["ignore", "sum"]
+TurnRewards = Literal["ignore", "sum", "per_turn"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def episodes_to_batch(
 ) -> RolloutBatch:
     """G consecutive episodes per group (see the module docstring)."""
     prompt_ids, rows = [], []
-    completion_ids, masks, logprobs, token_versions = [], [], [], []
+    completion_ids, masks, logprobs, token_versions, token_rewards = [], [], [], [], []
     for g in range(len(episodes) // G):
         group = episodes[g * G : (g + 1) * G]
         shared = _common_prefix([e.prompt_ids for e in group])
@@ -130,6 +130,7 @@ def episodes_to_batch(
             logprobs.append([0.0] * len(own) + e.logprobs)
             first = e.token_versions[0] if e.token_versions else min(e.policy_versions, default=-1)
             token_versions.append([first] * len(own) + e.token_versions)
+            token_rewards.append(_placed_turn_rewards(e, len(own)))
     return RolloutBatch(
         group_size=G,
         rows=rows,
@@ -144,7 +145,17 @@ def episodes_to_batch(
         completion_messages=[e.completion_messages for e in episodes],
         env_rewards=[episode_reward(e, truncated_reward) for e in episodes],
         turn_rewards=[sum(e.turn_rewards) for e in episodes] if turn_rewards == "sum" else None,
+        token_rewards=token_rewards if turn_rewards == "per_turn" else None,
     )
+
+
+def _placed_turn_rewards(episode: Episode, offset: int) -> list[float]:
+    """Per completion token: each of the episode's per-turn rewards on the last model token of the turn that earned
+    it, 0 elsewhere; `offset`: the opening tokens moved into the completion before the episode's own."""
+    placed = [0.0] * (offset + len(episode.ids))
+    for end, reward in zip(episode.turn_reward_ends, episode.turn_rewards, strict=True):
+        placed[offset + end] += reward
+    return placed
 
 
 def episode_metrics(log: EpisodeLog) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class Episode:
     # per id: the version its token was drawn under; an observation token repeats the model token's before it
     token_versions: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)  # the environment's per-step rewards, when given
+    turn_reward_ends: list[int] = field(default_factory=list)  # per turn reward: its turn's last model token in ids
     counts: Counter = field(default_factory=Counter)  # the environment's event counts, summed over its steps
     num_turns: int = 0
     num_calls: int = 0  # tool calls parsed so far (the next call's index)
@@ -243,6 +244,7 @@ class EpisodeRunner:
         episode.counts.update({k: v for k, v in step.counts.items() if k != "parse_failures"})
         if step.reward is not None:
             episode.turn_rewards.append(float(step.reward))
+            episode.turn_reward_ends.append(len(episode.ids) - 1)  # the turn's observation is not appended yet
         if step.done:
             self._end(pool, episode, "done")
             return

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +66,13 @@ class ScriptedEnv:
 
 
 ROWS = [{"question": "What is two plus three?", "answer": "5"}, {"question": "What color is the sky?", "answer": "b"}]
+
+
+def write_questions(path: Path, count: int = 12) -> Path:
+    """A JSONL data file of `count` rows with `question` and `answer` (what ScriptedEnv opens its episodes from)."""
+    rows = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def make_llm(model: torch.nn.Module | None = None, **engine: Any) -> LLM:

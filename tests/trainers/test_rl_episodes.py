@@ -21,7 +21,15 @@ from posttrain.trainers.rl.batch import pack_groups, packed_forward
 from posttrain.trainers.rl.config import GRPOConfig
 from posttrain.trainers.rl.update import prepare_batch
 from tests.data.tiny import tiny_tokenizer
-from tests.rollout.episode_helpers import ROWS, ScriptedEnv, make_llm, plain_parser, runner, turn_ending_model
+from tests.rollout.episode_helpers import (
+    ROWS,
+    ScriptedEnv,
+    make_llm,
+    plain_parser,
+    runner,
+    turn_ending_model,
+    write_questions,
+)
 
 # As in test_rl_trainer.py: the engine's paged forward against the trainer's dense one, fp32 tiny models.
 ENGINE_DENSE_LOGPROB_TOL = 1e-4
@@ -44,10 +52,7 @@ def test_trainer_logprobs_of_the_model_s_tokens_are_the_engine_s() -> None:
 
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
-    path = tmp_path / "questions.jsonl"
-    rows = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_questions(tmp_path / "questions.jsonl")
 
 
 def _config(tmp_path: Path, data: Path, name: str, *extra: str) -> GRPOConfig:
@@ -140,7 +145,7 @@ def test_train_grpo_evaluates_with_episodes(tmp_path: Path, data: Path) -> None:
     [
         ("env.max_turns=0", "max_turns must be >= 1"),
         ("env.truncated_reward=nan", "env.truncated_reward"),
-        ("algorithm=reinforce_pp", "outcome advantage"),
+        ("env.turn_rewards=per_turn", "only a token-level advantage uses"),
         ("env.name=", "name must name an environment"),
     ],
 )

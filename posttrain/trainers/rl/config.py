@@ -413,6 +413,7 @@ class PPOConfig:
     resume: str | None = None  # as in GRPOConfig
     save_final: bool = True
     dist: DistSection = field(default_factory=DistSection)  # torchrun data parallelism; docs/distributed.md
+    env: EnvSection | None = None  # multi-turn episodes, as in GRPOConfig; GAE runs over the model's tokens
 
     def validate(self) -> None:
         _need(self.loss.advantage in (None, "gae"), "PPO's advantage is GAE; leave loss.advantage unset")
@@ -581,11 +582,13 @@ def validate_config(cfg: RLConfig) -> None:
         _need(group >= 2, f"rollout.samples_per_prompt={group}: a group baseline ({algo.advantage}) needs >= 2 samples")
     if algo.dynamic_sampling:
         _need(group >= 2, "dapo.dynamic_sampling needs rollout.samples_per_prompt >= 2")
-    if getattr(cfg, "env", None) is not None:
+    env = getattr(cfg, "env", None)
+    if env is not None and env.turn_rewards == "per_turn":
         _need(
-            algo.advantage in ("grpo", "dr_grpo", "rloo"),
-            f"env: episodes train with an outcome advantage (grpo, dr_grpo, rloo), not {algo.advantage!r} "
-            "(its token returns would run across the observation tokens)",
+            algo.token_level_advantage,
+            f"env.turn_rewards=per_turn places each turn's reward on its last token, which only a token-level "
+            f"advantage uses (posttrain ppo, algorithm reinforce_pp); {algo.advantage!r} scores whole episodes: "
+            "use env.turn_rewards=sum",
         )
     if algo.overlong_penalty:
         _need(

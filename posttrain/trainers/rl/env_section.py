@@ -1,4 +1,4 @@
-"""`env:` of `posttrain grpo`: train on multi-turn episodes with an environment and its tools (docs/agents.md).
+"""`env:` of `posttrain grpo` and `posttrain ppo`: train on multi-turn episodes with an environment and its tools (docs/agents.md).
 
 Without an `env:` section a run is the single-turn one, unchanged. With it, every rollout sample is an episode
 (posttrain.rollout.episodes): the environment opens it from the data row, the model's turns are parsed for
@@ -37,15 +37,20 @@ class EnvSection:
     tool_timeout_s: float | None = None
     step_timeout_s: float = 60.0  # one whole environment call (reset, step, episode_reward): the rollout's bound
     truncated_reward: Literal["zero", "unscorable"] = "zero"  # a truncated episode's reward: 0, or left out (NaN)
-    # Per-step rewards an environment returns: ignore them (outcome only), or add their sum to the episode's
-    # outcome reward before the group's advantage is taken.
-    turn_rewards: Literal["ignore", "sum"] = "ignore"
+    # Per-step rewards an environment returns: ignore them (outcome only); sum: add their sum to the episode's
+    # outcome reward before the group's advantage is taken; per_turn: (token-level advantages: ppo's GAE,
+    # reinforce_pp) each on the last model token of the turn that earned it, so the returns credit turn by turn.
+    turn_rewards: Literal["ignore", "sum", "per_turn"] = "ignore"
     workers: int = 4  # threads running environment calls while the engine decodes
 
     def validate(self) -> None:
         _need(bool(self.name), "name must name an environment (a built-in or path/to/file.py:Class)")
         for name in ("max_turns", "max_episode_tokens", "workers"):
             _need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _need(
+            self.turn_rewards in ("ignore", "sum", "per_turn"),
+            f"turn_rewards must be ignore, sum or per_turn, got {self.turn_rewards!r}",
+        )
         for name in ("tool_timeout_s", "step_timeout_s"):
             value = getattr(self, name)
             _need(value is None or value > 0, f"{name} must be > 0, got {value}")

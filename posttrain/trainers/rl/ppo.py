@@ -10,7 +10,10 @@ a separate critic would double the training forward and the optimizer state.
 V(s_t) is read at the state that predicts completion token t, the same state whose logits give
 log pi(y_t | s_t). Token rewards: the outcome reward on the last token, minus beta * KL per token
 when `kl.in_reward` (the classic RLHF shaping); then GAE(gamma, lam), advantages whitened over the
-batch (optional), returns = advantages + values as the value targets.
+batch (optional), returns = advantages + values as the value targets. On multi-turn episodes (`env:`) the
+"tokens" are the model's: the outcome sits on the episode's last model token, GAE skips the observation
+tokens between turns, and with env.turn_rewards=per_turn each environment step's reward sits on the last
+model token of the turn that earned it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, masked_whiten
+from posttrain.algos.advantages import outcome_token_rewards
 from posttrain.distributed.env import all_reduce_sum
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -50,20 +54,21 @@ def ppo_advantages(
     whiten: bool,
     per_token_kl: Tensor | None = None,
     kl_coef: float = 0.0,
+    turn_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GAE over token rewards built from outcome rewards.
 
     rewards (B,) outcome scores, NaN = unscorable (those rows are dropped from `mask` by the caller);
-    values, mask, per_token_kl (B, L). Returns (advantages, returns), (B, L), zero outside the mask.
+    values, mask, per_token_kl, turn_rewards (B, L). The outcome sits on each row's last masked-in token: in an
+    episode (mask 0 on the observations between turns) the last MODEL token, and GAE steps over model tokens
+    only, carrying value and advantage across the observations. `turn_rewards`: an episode's per-turn rewards,
+    each on the last model token of its turn (env.turn_rewards=per_turn). Returns (advantages, returns), (B, L),
+    zero outside the mask.
     """
     mask = mask.float()
-    lengths = mask.sum(dim=1).long()  # (B,)
-    token_rewards = torch.zeros_like(values, dtype=torch.float32)  # (B, L)
-    rows = torch.arange(values.shape[0])
-    last = (lengths - 1).clamp(min=0)
-    token_rewards[rows, last] = torch.nan_to_num(rewards.float()) * (lengths > 0)
-    if per_token_kl is not None and kl_coef:
-        token_rewards = token_rewards - kl_coef * per_token_kl.float() * mask
+    token_rewards = outcome_token_rewards(
+        rewards, mask, turn_rewards=turn_rewards, per_token_kl=per_token_kl, kl_coef=kl_coef
+    )  # (B, L)
     advantages, returns = ADVANTAGE_ESTIMATORS["gae"](token_rewards, values, mask, gamma=gamma, lam=lam)
     if whiten:
         advantages = masked_whiten(advantages, mask)

@@ -80,7 +80,7 @@ def _advantages(
     world = run.parallel.world if run.parallel is not None else 1
     if algo.advantage == "reinforce_pp":
         adv, returns = ADVANTAGE_ESTIMATORS["reinforce_pp"](
-            rewards, data.mask, gamma=1.0, per_token_kl=kl_tokens, kl_coef=cfg.kl.beta
+            rewards, data.mask, gamma=1.0, per_token_kl=kl_tokens, kl_coef=cfg.kl.beta, turn_rewards=data.turn_rewards
         )  # (B, L), (B, L)
         if world > 1:
             # The estimator whitened over this rank's tokens only: whiten the returns again with the mean and
@@ -98,6 +98,7 @@ def _advantages(
         whiten=ppo.whiten_advantages and world == 1,
         per_token_kl=kl_tokens,
         kl_coef=cfg.kl.beta,
+        turn_rewards=data.turn_rewards,
     )
     if ppo.whiten_advantages and world > 1:  # whitened over the whole batch, every rank's samples
         adv = whiten_over_ranks(adv, loss_mask)
@@ -210,5 +211,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     metrics.update(timer.metrics())
     metrics.update(peak_memory_gb(run.device))
     if sharded:  # counts and throughputs add up over the ranks; means (over equal shares) average
-        metrics = reduce_metrics(metrics, SUMMED_METRICS, run.device)
+        # env/*: per-episode rates a rank leaves out where none of its episodes met the case (env/finish/<reason>,
+        # env/tool_calls/<tool>): 0 there, not absent
+        metrics = reduce_metrics(metrics, SUMMED_METRICS, run.device, absent_is_zero=("env/",))
     return metrics

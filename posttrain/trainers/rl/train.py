@@ -203,8 +203,15 @@ def train_grpo(
     return train(cfg, "grpo", model=model, tokenizer=tokenizer, make_env=make_env, parser=parser)
 
 
-def train_ppo(cfg: PPOConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> Path:
-    """Run `posttrain ppo` from a PPOConfig; returns the run directory."""
+def train_ppo(
+    cfg: PPOConfig,
+    *,
+    model: nn.Module | None = None,
+    tokenizer: Any = None,
+    make_env: Callable[[], Environment] | None = None,
+    parser: ToolCallParser | None = None,
+) -> Path:
+    """Run `posttrain ppo` from a PPOConfig; returns the run directory. `make_env` / `parser`: as in train_grpo."""
     if not isinstance(cfg, PPOConfig):
         raise PosttrainError(f"train_ppo needs a PPOConfig, got {type(cfg).__name__} (GRPO family: train_grpo)")
-    return train(cfg, "ppo", model=model, tokenizer=tokenizer)
+    return train(cfg, "ppo", model=model, tokenizer=tokenizer, make_env=make_env, parser=parser)

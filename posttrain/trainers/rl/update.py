@@ -40,6 +40,7 @@ class StepBatch:
     rollout_logprobs: Tensor  # (B, L) the engine's, at sampling
     rewards: Tensor  # (B,)
     num_groups: int
+    turn_rewards: Tensor | None = None  # (B, L) episodes with env.turn_rewards=per_turn: on each turn's last token
 
 
 @dataclass
@@ -75,8 +76,15 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).float().to(run.device)  # (B, L)
     if batch.completion_mask is not None:  # episodes: the model's own tokens only, never the observations
         mask = mask * _pad(batch.completion_mask, L, run.device)
+    turn_rewards = _pad(batch.token_rewards, L, run.device) if batch.token_rewards is not None else None
     return StepBatch(
-        packs, slices, mask, _pad(batch.rollout_logprobs, L, run.device), batch.rewards.to(run.device), batch.num_groups
+        packs,
+        slices,
+        mask,
+        _pad(batch.rollout_logprobs, L, run.device),
+        batch.rewards.to(run.device),
+        batch.num_groups,
+        turn_rewards,
     )
 
 
