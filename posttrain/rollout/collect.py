@@ -86,7 +86,8 @@ def collect_rollout(
         stats.rollout_s += time.perf_counter() - start
         stats.generated_tokens += sum(len(ids) for ids in batch.completion_ids)
         start = time.perf_counter()
-        batch = score_groups(batch, specs, overlong)
+        with llm.engine.waiting():  # no engine step until the rewards are in: async RL lends the cores out
+            batch = score_groups(batch, specs, overlong)
         stats.reward_s += time.perf_counter() - start
         return batch
 

@@ -26,6 +26,7 @@ import copy
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -179,6 +180,7 @@ class AsyncRollout(StepConsumer):
                 updates,
             )
         run.llm.engine.before_step.append(self.cores.claim)  # the rollout thread's count, per engine step
+        run.llm.engine.waiting = self.cores.waiting  # scoring, episodes waiting on environments: the side is idle
         producer = ThreadedProducer(
             collect,
             first_step=first_step,
@@ -211,6 +213,8 @@ class AsyncRollout(StepConsumer):
         hooks = self.run.llm.engine.before_step
         if self.cores.claim in hooks:
             hooks.remove(self.cores.claim)
+        if self.run.llm.engine.waiting == self.cores.waiting:
+            self.run.llm.engine.waiting = nullcontext
         torch.set_num_threads(self.threads_before)
 
 
