@@ -220,6 +220,13 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def num_unfinished_samples(self, request_id: str) -> int:
+        """Samples of the request still generating (its n before its prompt is prefilled); 0 once finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return 0
+        return sum(1 for seq in request.seqs if seq is None or not seq.is_finished)
+
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
