@@ -52,7 +52,11 @@ class AdmittedRound:
 
 @dataclass
 class FillLog:
-    admitted: list[AdmittedRound] = field(default_factory=list)  # every round submitted ahead, in order
+    """Every round submitted ahead, in order: its step, and how many samples of the step being collected were still
+    generating then (ints only: a long run keeps one pair per step)."""
+
+    steps: list[int] = field(default_factory=list)
+    unfinished_before: list[int] = field(default_factory=list)
 
 
 class TailFill:
@@ -123,7 +127,8 @@ class TailFill:
         ids = self.llm.submit([row[PROMPT_KEY] for row in rows], seeded_params(self.params, seeds))
         admitted = AdmittedRound(following, rows, ids, unfinished, self)
         self._ahead[following] = admitted
-        self.log.admitted.append(admitted)
+        self.log.steps.append(following)
+        self.log.unfinished_before.append(unfinished)
 
     def close(self) -> None:
         """Drop the rounds submitted ahead that no collection took (the run ended first)."""

@@ -59,17 +59,16 @@ def test_the_next_step_joins_the_engine_before_this_step_ends_and_each_step_keep
 
     assert fill.take(1) is None
     first = _collect(llm, source, 1, generate=fill)
-    assert [a.step for a in fill.log.admitted] == [2]
-    ahead = fill.log.admitted[0]
-    assert ahead.unfinished_before >= 1  # submitted while step 1 still generated
-    # ... and decoded along: an engine step ran with requests of both steps in it
-    step_one = set(in_engine[0]) - set(ahead.request_ids)
-    assert any(ids & step_one and ids & set(ahead.request_ids) for ids in in_engine)
-
+    assert fill.log.steps == [2]
+    assert fill.log.unfinished_before[0] >= 1  # submitted while step 1 still generated
     admitted = fill.take(2)
-    assert admitted is ahead
+    assert admitted is not None and admitted.step == 2 and len(admitted.rows) == PROMPTS
+    # ... and decoded along: an engine step ran with requests of both steps in it
+    step_one = set(in_engine[0]) - set(admitted.request_ids)
+    assert any(ids & step_one and ids & set(admitted.request_ids) for ids in in_engine)
+
     second = _collect(llm, source, 2, generate=fill, admitted=admitted)
-    assert [a.step for a in fill.log.admitted] == [2, 3]  # step 3 joined step 2's tail in turn
+    assert fill.log.steps == [2, 3]  # step 3 joined step 2's tail in turn
     fill.close()
     assert not llm.engine.has_unfinished_requests()  # the round no collection took was dropped
 
@@ -89,12 +88,19 @@ def test_no_fill_while_the_bound_holds_the_next_step_back_or_the_tail_is_long() 
     held = _fill(llm, source, fraction=1.0, may_start=lambda step: False)
     held.take(1)
     _collect(llm, source, 1, generate=held)
-    assert held.log.admitted == [] and source.next == PROMPTS  # nothing drawn for step 2
+    assert held.log.steps == [] and source.next == PROMPTS  # nothing drawn for step 2
+
+    half = _fill(llm, source, fraction=0.5)
+    half.take(1)
+    lengths = [len(ids) for ids in _collect(llm, source, 1, generate=half).completion_ids]
+    assert len(set(lengths)) > 1  # the samples end apart (this model and these seeds): the step has a tail
+    assert half.log.steps == [2] and half.log.unfinished_before[0] <= PROMPTS * N // 2  # joined in the tail only
+    half.close()
 
     tiny = _fill(llm, source, fraction=1e-9)  # only once no sample of the step is left: never inside its collection
     tiny.take(1)
     _collect(llm, source, 1, generate=tiny)
-    assert tiny.log.admitted == []
+    assert tiny.log.steps == []
 
 
 def test_a_round_submitted_ahead_needs_one_process_and_no_dynamic_sampling() -> None:
