@@ -184,5 +184,8 @@ def test_async_keys_from_the_command_line(tmp_path: Path) -> None:
     assert load_config(GRPOConfig, None, ["rollout.running_kv=recompute"]).rollout.running_kv == "recompute"
     with pytest.raises(ConfigError, match="rollout.running_kv: must be one of 'keep', 'recompute'; got 'drop'"):
         load_config(GRPOConfig, None, ["rollout.running_kv=drop"])
+    assert load_config(GRPOConfig, None, ["rollout.async_fill=0"]).rollout.async_fill == 0
+    with pytest.raises(ConfigError, match=r"async_fill must be a number in \[0, 1\] \(0: off\), got 1.5"):
+        load_config(GRPOConfig, None, ["rollout.async_fill=1.5"])
     with pytest.raises(ConfigError, match="decoupled needs pi_old recomputed"):
         load_config(GRPOConfig, None, ["train.off_policy.mode=decoupled", "train.old_logprobs=rollout"])
