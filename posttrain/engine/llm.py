@@ -10,7 +10,7 @@ for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)): print(
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, config, draft_model=draft_model)
         self._request_ids = itertools.count()
+        self._finished: dict[str, RequestOutput] = {}  # outputs of submitted requests another `collect` stepped
 
     # ---- prompts ---------------------------------------------------------------------------------
 
@@ -122,6 +123,13 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in the order of the prompts. `params`: one for all, or one each."""
+        return self.collect(self.submit(prompts, params), use_tqdm=use_tqdm)
+
+    def submit(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[str]:
+        """Queue every prompt in the engine without stepping it (all checked first: a bad one queues none); the
+        request ids, for `collect`. Requests submitted apart decode together in one batch once any caller steps."""
         batch = self._as_batch(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(batch)
@@ -135,30 +143,53 @@ class LLM:
             self.engine.check_request(request_id, token_ids, sp)
         for request_id, (text, token_ids), sp in zip(ids, encoded, params_list):
             self.engine.add_request(request_id, token_ids, sp, prompt=text)
-        results: dict[str, RequestOutput] = {}
-        scoring = all(sp.max_tokens == 0 for sp in params_list)  # prefill only: the rate counts prompt tokens
-        desc = "score" if scoring else f"generate ({sum(sp.n for sp in params_list)} samples)"
-        bar = _progress_bar(len(batch), desc) if use_tqdm else None
+        return ids
+
+    def collect(
+        self, ids: list[str], use_tqdm: bool = False, before_step: Callable[[], None] | None = None
+    ) -> list[RequestOutput]:
+        """Step the engine until the submitted requests `ids` have finished; their outputs, in the order of `ids`.
+        Other requests in the engine decode along; their outputs are kept for their own `collect`. `before_step`
+        runs before every engine step this call makes (it may submit more). An error aborts `ids`."""
+        results = {i: self._finished.pop(i) for i in ids if i in self._finished}
+        mine = set(ids)
+        queued = [self.engine.requests[i].params for i in ids if i in self.engine.requests]
+        scoring = all(sp.max_tokens == 0 for sp in queued)  # prefill only: the rate counts prompt tokens
+        desc = "score" if scoring else f"generate ({sum(sp.n for sp in queued)} samples)"
+        bar = _progress_bar(len(ids), desc) if use_tqdm else None
+        if bar is not None:
+            bar.update(len(results))
         tokens_before = self._tokens_done(scoring)
         try:
             with self.engine.runner.malloc_scope():
-                while len(results) < len(batch):
+                while len(results) < len(ids):
+                    if before_step is not None:
+                        before_step()
                     for output in self.engine.step():
+                        if output.request_id not in mine:
+                            if output.finished:  # another caller's submitted request: kept for its collect
+                                self._finished[output.request_id] = output
+                            continue
                         results[output.request_id] = output
                         if bar is not None:
                             bar.update(1)
                             tokens = self._tokens_done(scoring) - tokens_before
                             bar.set_postfix_str(f"tok/s={_rate(bar, tokens)}", refresh=False)
-                    if not self.engine.has_unfinished_requests() and len(results) < len(batch):
+                    if not self.engine.has_unfinished_requests() and len(results) < len(ids):
                         raise RuntimeError("engine finished without completing every request")
         except BaseException:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
+            self.abort(ids)
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [results[request_id] for request_id in ids]
+
+    def abort(self, ids: list[str]) -> None:
+        """Drop submitted requests: those still running are aborted, finished outputs not collected are discarded."""
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            self._finished.pop(request_id, None)
 
     def _tokens_done(self, scoring: bool) -> int:
         return self.engine.num_processed_tokens if scoring else self.engine.num_generated_tokens
@@ -180,6 +211,8 @@ class LLM:
                 outputs = self.engine.step()
                 for output in outputs:
                     if output.request_id != request_id:
+                        if output.finished:  # a submitted request's: kept for its collect
+                            self._finished[output.request_id] = output
                         continue
                     for out in output.outputs:
                         if done[out.index] or (not out.token_ids and not out.finished):

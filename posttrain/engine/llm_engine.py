@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,10 @@ class LLMEngine:
         # Called at the start of every step, in the thread that steps the engine (async RL in one process: the
         # rollout thread takes its share of the cores there, rollout/core_share.py).
         self.before_step: list[Callable[[], None]] = []
+        # Entered by whoever drives the engine around a wait in which it steps nothing: scoring a collected batch,
+        # an episode loop waiting on its environment workers (async RL: the rollout side counts as idle there, so
+        # the update takes every core, rollout/core_share.py). A no-op by default.
+        self.waiting: Callable[[], AbstractContextManager[None]] = nullcontext
         self.requests: dict[str, _Request] = {}
         self.asleep = False
         self.num_steps = 0
@@ -214,6 +219,13 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def num_unfinished_samples(self, request_id: str) -> int:
+        """Samples of the request still generating (its n before its prompt is prefilled); 0 once finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return 0
+        return sum(1 for seq in request.seqs if seq is None or not seq.is_finished)
 
     # ---- the step -----------------------------------------------------------------------------------
 

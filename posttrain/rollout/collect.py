@@ -20,6 +20,7 @@ from posttrain.rollout.batch import RolloutBatch, concat_batches
 from posttrain.rollout.generate import EngineCall, GroupGenerator, generate_groups
 from posttrain.rollout.prompts import PromptSource
 from posttrain.rollout.scoring import OverlongShaping, score_groups, zero_variance_groups
+from posttrain.rollout.tail_fill import AdmittedRound
 
 
 @dataclass
@@ -52,6 +53,7 @@ def collect_rollout(
     seed_base: int | None = None,
     lockstep: EngineCall = nullcontext,
     generate: GroupGenerator = generate_groups,
+    admitted: AdmittedRound | None = None,
 ) -> tuple[RolloutBatch | None, RolloutStats]:
     """The step's scored batch. With dynamic sampling, only groups whose task rewards differ are kept
     (correctness, not the length-shaped reward: see zero_variance_groups) and up to `max_refill_rounds`
@@ -68,7 +70,11 @@ def collect_rollout(
     all-gather their kept groups, take the first `num_prompts` by place (the single process's batch) and deal
     them out strided again. A batch left short of `num_prompts` loses its last (count mod world size)
     groups, so that every rank trains on the same number of groups. `lockstep`: see generate_groups.
-    `generate`: generate_groups, or an `EpisodeGroups` (multi-turn episodes, each group's G of a row)."""
+    `generate`: generate_groups, or an `EpisodeGroups` (multi-turn episodes, each group's G of a row), or a
+    `TailFill`. `admitted`: the step's first round, drawn and submitted ahead by that `TailFill` (its rows are the
+    step's first `num_prompts` draws, seeded as seed_base says): its batch is collected instead of drawn anew."""
+    if admitted is not None and (shard is not None or dynamic_sampling):
+        raise ValueError("a round submitted ahead (tail fill) needs one process and no dynamic sampling")
     stats = RolloutStats()
     drawn = 0  # prompts drawn this step, over all ranks: the place of the next one
     placed: list[int] = []  # the place of each group of this rank's last round
@@ -76,17 +82,23 @@ def collect_rollout(
     def one_round(n: int) -> RolloutBatch:
         nonlocal drawn, placed
         start = time.perf_counter()
-        places = list(enumerate(source.sample(n), start=drawn))  # (place in the step, row)
-        drawn += n
-        if shard is not None:
-            places = shard(places)
-        placed = [place for place, _ in places]
-        seeds = [seed_base + place * params.n for place, _ in places] if seed_base is not None else None
-        batch = generate(llm, [row for _, row in places], params, seeds, lockstep=lockstep)
+        if admitted is not None and drawn == 0:  # drawn and submitted during the previous step's tail
+            placed = list(range(n))
+            drawn += n
+            batch = admitted.finish(params, lockstep)
+        else:
+            places = list(enumerate(source.sample(n), start=drawn))  # (place in the step, row)
+            drawn += n
+            if shard is not None:
+                places = shard(places)
+            placed = [place for place, _ in places]
+            seeds = [seed_base + place * params.n for place, _ in places] if seed_base is not None else None
+            batch = generate(llm, [row for _, row in places], params, seeds, lockstep=lockstep)
         stats.rollout_s += time.perf_counter() - start
         stats.generated_tokens += sum(len(ids) for ids in batch.completion_ids)
         start = time.perf_counter()
-        batch = score_groups(batch, specs, overlong)
+        with llm.engine.waiting():  # no engine step until the rewards are in: async RL lends the cores out
+            batch = score_groups(batch, specs, overlong)
         stats.reward_s += time.perf_counter() - start
         return batch
 

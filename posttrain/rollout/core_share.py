@@ -9,11 +9,21 @@ Each side registers its thread once (`register`), says when it starts and stops 
 at its safe points (the rollout before every engine step, the update before every micro-batch), where its count is
 set to what the other side's state allows. `claim` from a thread that did not register is a no-op, so the engine
 hook does nothing when the trainer steps the engine itself (evaluation, regenerating stale groups).
+
+`waiting()` marks the calling thread's side idle for a stretch in which it steps no engine and runs no update: the
+reward call over a collected batch as a whole (a sandbox, a remote judge, a `time.sleep`), and an episode loop
+whose every episode waits on its environment worker. "Idle" is meant per side, not per core: the other side takes
+every core at its next safe point, and the waiting thread keeps the count it had, so a reward that computes in
+torch on that thread still runs (it shares the cores with the other side's threads for the length of the call,
+over-subscribing them by its own count) rather than being starved. A reward that mostly waits hands its cores
+over whole.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -50,3 +60,19 @@ class CoreShare:
         threads = self.threads_for(side)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The calling thread's side is idle inside (see the module docstring); its state before is restored after,
+        and its count claimed again. A no-op in a thread that did not register."""
+        side = self._sides.get(threading.get_ident())
+        if side is None:
+            yield
+            return
+        before = self._busy[side]
+        self.busy(side, False)
+        try:
+            yield
+        finally:
+            self.busy(side, before)
+            self.claim()

@@ -144,7 +144,8 @@ class EpisodeRunner:
                     else:
                         waited = time.perf_counter()
                         nearest = min(call.deadline for call in self.calls.values())
-                        wait(list(self.calls), timeout=max(0.0, nearest - waited), return_when=FIRST_COMPLETED)
+                        with self.engine.waiting():  # no runnable sequence: async RL lends the cores out
+                            wait(list(self.calls), timeout=max(0.0, nearest - waited), return_when=FIRST_COMPLETED)
                         timing.idle_s += time.perf_counter() - waited
                     self._collect(pool)
         finally:

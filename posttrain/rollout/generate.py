@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
-from posttrain.engine import LLM, SamplingParams
+from posttrain.engine import LLM, RequestOutput, SamplingParams
 from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
 
 EngineCall = Callable[[], AbstractContextManager[None]]  # a context around one engine call: `Parallel.rollout`'s
@@ -27,11 +27,18 @@ def generate_groups(
     row i's request is seeded with seeds[i] (its samples then depend on nothing else: not on the batch).
     `use_tqdm`: the engine's progress bar over the prompts. `lockstep`: the engine call runs inside it (under
     torchrun with `dist.rollout_weights=per_layer`, every rank's call together)."""
-    per_row: SamplingParams | list[SamplingParams] = params
-    if seeds is not None:
-        per_row = [replace(params, seed=seed) for seed in seeds]
     with lockstep():
-        outputs = llm.generate([row[PROMPT_KEY] for row in rows], per_row, use_tqdm=use_tqdm)
+        outputs = llm.generate([row[PROMPT_KEY] for row in rows], seeded_params(params, seeds), use_tqdm=use_tqdm)
+    return groups_batch(rows, params, outputs)
+
+
+def seeded_params(params: SamplingParams, seeds: list[int] | None) -> SamplingParams | list[SamplingParams]:
+    """One SamplingParams for every row, or with `seeds` row i's seeded with seeds[i]."""
+    return params if seeds is None else [replace(params, seed=seed) for seed in seeds]
+
+
+def groups_batch(rows: list[dict[str, Any]], params: SamplingParams, outputs: list[RequestOutput]) -> RolloutBatch:
+    """The engine's outputs of `rows` (one request of params.n samples each, in order) as a rollout batch."""
     completion_ids, texts, logprobs, reasons, versions, token_versions = [], [], [], [], [], []
     for output in outputs:
         for sample in output.outputs:

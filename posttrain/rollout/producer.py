@@ -82,7 +82,8 @@ class RolloutProducer(Protocol):
 
 class ThreadedProducer:
     """Collects steps first_step..last_step in a daemon thread with `collect(step)`, at most `lead` steps ahead of
-    the update. `timeout_s`: how long `get` waits for a batch before it gives up (the thread hangs)."""
+    the update. `timeout_s`: how long `get` waits for a batch before it gives up (the thread hangs). `start`: start
+    the thread now (else `start()`)."""
 
     def __init__(
         self,
@@ -93,6 +94,7 @@ class ThreadedProducer:
         timeout_s: float,
         on_start: Callable[[], None] | None = None,
         cores: CoreShare | None = None,
+        start: bool = True,
     ) -> None:
         if lead < 0:
             raise ValueError(f"lead must be >= 0, got {lead}")
@@ -108,6 +110,11 @@ class ThreadedProducer:
         self._on_start = on_start
         self._cores = cores  # the rollout's share of the cores (None: leave torch's threads alone)
         self._thread = threading.Thread(target=self._run, args=(first_step,), name="posttrain-rollout", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the thread (for a producer made with start=False: its owner finishes wiring it first)."""
         self._thread.start()
 
     def _run(self, step: int) -> None:
@@ -146,6 +153,11 @@ class ThreadedProducer:
     def _set_busy(self, busy: bool) -> None:
         if self._cores is not None:
             self._cores.busy("rollout", busy)
+
+    def may_start(self, step: int) -> bool:
+        """Whether the bound lets collection of `step` start now (what the thread waits for between steps)."""
+        with self._cond:
+            return step <= self._done_step + 1 + self.lead
 
     def get(self, step: int) -> ProducedBatch:
         deadline = time.monotonic() + self.timeout_s

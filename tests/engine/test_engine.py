@@ -107,6 +107,31 @@ def test_a_request_that_can_never_fit_is_refused() -> None:
     assert len(out[0].outputs[0].token_ids) <= 6
 
 
+def test_submitted_requests_decode_together_and_are_collected_apart() -> None:
+    """LLM.submit / collect: a short request submitted from `before_step` while a long one decodes finishes inside
+    the long one's collect; its output is kept for its own collect, equal to what generate gives it alone."""
+    llm = make_llm()
+    long_params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    short_params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
+    long_ids = llm.submit([PROMPTS[0]], long_params)
+    short_ids: list[str] = []
+
+    def join() -> None:
+        if not short_ids:
+            short_ids.extend(llm.submit([PROMPTS[1]], short_params))
+
+    (long_out,) = llm.collect(long_ids, before_step=join)
+    assert not llm.engine.has_unfinished_requests()  # the short one finished during the long one's collect
+    (short_out,) = llm.collect(short_ids)
+    assert short_out.request_id == short_ids[0]
+    assert short_out.outputs[0].token_ids == llm.generate([PROMPTS[1]], short_params)[0].outputs[0].token_ids
+    assert long_out.outputs[0].token_ids == llm.generate([PROMPTS[0]], long_params)[0].outputs[0].token_ids
+    dropped = llm.submit([PROMPTS[2]], short_params)
+    llm.collect(llm.submit([PROMPTS[0]], long_params))  # steps the submitted one to its end too
+    llm.abort(dropped)
+    assert llm._finished == {} and llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
 def test_engine_api_abort_frees_blocks() -> None:
     engine = LLMEngine(
         tiny_model(),

@@ -4,7 +4,9 @@ rewards (before the soft overlong penalty) differ, as DAPO's eq. 11 (0 < #correc
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ class ScriptedLLM:
 
     def __init__(self) -> None:
         self.rows: dict[str, list[tuple[str, int]]] = {}
+        self.engine = SimpleNamespace(waiting=nullcontext)  # collect_rollout scores inside engine.waiting()
 
     def generate(self, prompts: list[Any], params: Any, use_tqdm: bool = False) -> list[_Output]:
         outs = []

@@ -15,6 +15,7 @@ import torch
 import posttrain.trainers.rl.step as rl_step_module
 from posttrain.config import load_config
 from posttrain.errors import ConfigError
+from posttrain.rollout.batch import PROMPT_KEY
 from posttrain.rollout.producer import RolloutWorkerError
 from posttrain.trainers.rl import rl_step, setup_run, train_grpo
 from posttrain.trainers.rl.config import GRPOConfig, PPOConfig
@@ -93,13 +94,41 @@ def test_a_rollout_let_run_too_far_ahead_is_filtered(tmp_path: Path, tok, monkey
         assert sum(record[f"async/staleness_{i}"] for i in (0, 1)) == record["num_samples"] == 8
 
 
+def test_tail_fill_starts_the_next_step_early_within_the_bound_and_on_its_own_prompts(
+    tmp_path: Path, tok, monkeypatch
+) -> None:
+    """rollout.async_fill: the next step's prompts join the engine during the current step's collection (k = 1 lets
+    the rollout run one step ahead); each step still trains on exactly its own prompts, within the bound."""
+    _slow_update(monkeypatch, 0.3)
+    collect = rl_step_module.collect_step
+    prompts: dict[str, dict[int, list]] = {"fill": {}, "off": {}}
+    name = ["fill"]
+
+    def recording(run, step, fill=None):
+        produced = collect(run, step, fill)
+        prompts[name[0]][step] = [row[PROMPT_KEY] for row in produced.batch.rows]
+        return produced
+
+    monkeypatch.setattr(rl_step_module, "collect_step", recording)
+    k1 = ("rollout.mode=async", "rollout.max_staleness=1")
+    _, records = _steps(tmp_path, tok, "fill", steps=3, extra=(*k1, "rollout.async_fill=1"))
+    name[0] = "off"
+    _, plain = _steps(tmp_path, tok, "off", steps=3, extra=(*k1, "rollout.async_fill=0"))
+    assert records[1]["async/tail_filled"] == 1.0  # step 2's prompts were submitted during step 1's collection
+    assert "async/tail_filled" not in plain[1]
+    for record in records:
+        assert record["async/staleness_max"] <= 1 and record["async/stale_dropped"] == 0
+        assert record["async/staleness_0"] + record["async/staleness_1"] == record["num_samples"]
+    assert prompts["fill"] == prompts["off"] and len(prompts["fill"]) >= 3
+
+
 def test_a_failing_rollout_thread_stops_the_run_with_one_error(tmp_path: Path, tok, monkeypatch) -> None:
     collect = rl_step_module.collect_step
 
-    def failing(run, step):
+    def failing(run, step, fill=None):
         if step == 3:
             raise OSError("the reward sandbox is gone")
-        return collect(run, step)
+        return collect(run, step, fill)
 
     monkeypatch.setattr(rl_step_module, "collect_step", failing)
     overrides = rl_overrides(tmp_path, "fail", "rollout.mode=async", "train.max_steps=4", "train.save_every=1")
@@ -136,7 +165,7 @@ def test_resume_collects_the_next_step_again_from_the_checkpoint(tmp_path: Path,
 
 
 def test_a_hanging_rollout_thread_times_out(tmp_path: Path, tok, monkeypatch) -> None:
-    monkeypatch.setattr(rl_step_module, "collect_step", lambda run, step: time.sleep(30))
+    monkeypatch.setattr(rl_step_module, "collect_step", lambda run, step, fill=None: time.sleep(30))
     cfg = load_config(
         GRPOConfig, None, rl_overrides(tmp_path, "hang", "rollout.mode=async", "rollout.async_timeout_s=1")
     )
@@ -155,5 +184,8 @@ def test_async_keys_from_the_command_line(tmp_path: Path) -> None:
     assert load_config(GRPOConfig, None, ["rollout.running_kv=recompute"]).rollout.running_kv == "recompute"
     with pytest.raises(ConfigError, match="rollout.running_kv: must be one of 'keep', 'recompute'; got 'drop'"):
         load_config(GRPOConfig, None, ["rollout.running_kv=drop"])
+    assert load_config(GRPOConfig, None, ["rollout.async_fill=0"]).rollout.async_fill == 0
+    with pytest.raises(ConfigError, match=r"async_fill must be a number in \[0, 1\] \(0: off\), got 1.5"):
+        load_config(GRPOConfig, None, ["rollout.async_fill=1.5"])
     with pytest.raises(ConfigError, match="decoupled needs pi_old recomputed"):
         load_config(GRPOConfig, None, ["train.off_policy.mode=decoupled", "train.old_logprobs=rollout"])

@@ -26,6 +26,8 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ from posttrain.rollout.producer import ProducedBatch, ThreadedProducer
 from posttrain.rollout.prompts import PromptSource
 from posttrain.rollout.scoring import score_groups
 from posttrain.rollout.staleness import split_stale, staleness_metrics
+from posttrain.rollout.tail_fill import TailFill
 from posttrain.trainers.rl.config import RLConfig, batch_sizes
 
 REFILL_SEED_OFFSET = 1 << 23  # refill seeds of a step: past its prompts' (collect.prompt_seed_base)
@@ -77,8 +80,10 @@ class StepPrompts:
         self._lock = threading.Lock()
 
     def begin_step(self, step: int) -> None:
+        """Before the step's first draw (once: the tail fill may have begun it during the previous step)."""
         with self._lock:
-            self._before[step] = copy.deepcopy(self.source.state_dict())
+            if step not in self._before:
+                self._before[step] = copy.deepcopy(self.source.state_dict())
 
     def trained(self, step: int) -> None:
         with self._lock:
@@ -178,16 +183,23 @@ class AsyncRollout(StepConsumer):
                 updates,
                 updates,
             )
+        self.fill = tail_fill(run, lead_steps(cfg), self._may_start)
         run.llm.engine.before_step.append(self.cores.claim)  # the rollout thread's count, per engine step
+        run.llm.engine.waiting = self.cores.waiting  # scoring, episodes waiting on environments: the side is idle
         producer = ThreadedProducer(
-            collect,
+            lambda step: collect(step, self.fill),
             first_step=first_step,
             last_step=cfg.train.max_steps,
             lead=lead_steps(cfg),
             timeout_s=cfg.rollout.async_timeout_s,
             cores=self.cores,
+            start=False,
         )
         super().__init__(run, producer, k)
+        producer.start()  # the tail fill asks self.producer whether the bound lets the next step start
+
+    def _may_start(self, step: int) -> bool:
+        return self.producer.may_start(step)
 
     def take(self, step: int) -> tuple[ProducedBatch, dict[str, float]]:
         self.cores.busy("update", False)  # waiting for the batch: the rollout may take every core
@@ -208,10 +220,38 @@ class AsyncRollout(StepConsumer):
 
     def close(self) -> None:
         super().close()
+        if self.fill is not None:
+            self.fill.close()
         hooks = self.run.llm.engine.before_step
         if self.cores.claim in hooks:
             hooks.remove(self.cores.claim)
+        if self.run.llm.engine.waiting == self.cores.waiting:
+            self.run.llm.engine.waiting = nullcontext
         torch.set_num_threads(self.threads_before)
+
+
+def tail_fill(run: Any, lead: int, may_start: Callable[[int], bool]) -> TailFill | None:
+    """The run's `TailFill` (rollout/tail_fill.py), or None where it is off: `rollout.async_fill` 0, a rollout that
+    cannot run ahead (lead 0, e.g. k = 0), episodes, or DAPO dynamic sampling (its refills draw after the fill)."""
+    cfg = run.cfg
+    if cfg.rollout.async_fill == 0 or lead == 0 or run.episodes is not None or run.algo.dynamic_sampling:
+        return None
+
+    def draw(step: int, n: int) -> list[dict[str, Any]]:
+        if isinstance(run.source, StepPrompts):
+            run.source.begin_step(step)
+        return run.source.sample(n)
+
+    return TailFill(
+        run.llm,
+        run.params,
+        cfg.rollout.prompts_per_step,
+        draw,
+        lambda step: prompt_seed_base(cfg.train.seed, step),
+        may_start,
+        last_step=cfg.train.max_steps,
+        fraction=cfg.rollout.async_fill,
+    )
 
 
 def regenerate_groups(run: Any, step: int, stale: RolloutBatch) -> RolloutBatch:

@@ -139,6 +139,10 @@ class RolloutSection:
     # version). recompute: re-prefill everything they hold under the new weights first (exact K/V, more compute).
     running_kv: Literal["keep", "recompute"] = "keep"
     async_timeout_s: float = 600.0  # async: the trainer stops with an error when no batch comes within this
+    # async, single-turn, without dynamic sampling: once at most this share of a step's samples are still generating
+    # and the bound lets the rollout start the next step (k >= optimizer steps per RL step), the next step's prompts
+    # join the same engine batch (its tail would otherwise decode at a tiny batch). 1: at once; 0: off.
+    async_fill: float = 0.5
     # The engine over the live policy. max_model_len and max_num_seqs left at their defaults are set
     # from max_prompt_tokens + max_tokens and max(batch, data.eval_size) (a KV pool that fits, no more).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -160,6 +164,12 @@ class RolloutSection:
             f"async_threads must be >= 1 or null, got {self.async_threads}",
         )
         _positive("async_timeout_s", self.async_timeout_s)
+        _need(
+            isinstance(self.async_fill, (int, float))
+            and not isinstance(self.async_fill, bool)
+            and 0 <= self.async_fill <= 1,
+            f"async_fill must be a number in [0, 1] (0: off), got {self.async_fill!r}",
+        )
         _need(
             self.running_kv in ("keep", "recompute"),
             f"running_kv must be keep or recompute, got {self.running_kv!r}",

@@ -40,6 +40,7 @@ from posttrain.distributed.env import reduce_metrics
 from posttrain.rollout.collect import collect_rollout, prompt_seed_base
 from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch
+from posttrain.rollout.tail_fill import TailFill
 from posttrain.trainers.rl.async_rollout import AsyncRollout, StepPrompts
 from posttrain.trainers.rl.config import batch_sizes
 from posttrain.trainers.rl.metrics import StepTimer, batch_metrics, collection_metrics, peak_memory_gb
@@ -118,9 +119,11 @@ def _needs_old_pass(run: RLRun, num_samples: int) -> bool:
     return cfg.train.old_logprobs == "auto" and not single_update
 
 
-def collect_step(run: RLRun, step: int) -> ProducedBatch:
-    """The step's scored rollout batch and the collection's metrics (in async mode: run by the rollout thread)."""
+def collect_step(run: RLRun, step: int, fill: TailFill | None = None) -> ProducedBatch:
+    """The step's scored rollout batch and the collection's metrics (in async mode: run by the rollout thread;
+    `fill`: its engine calls, which submit the next step's prompts into this step's tail, rollout/tail_fill.py)."""
     cfg, parallel = run.cfg, run.parallel
+    admitted = fill.take(step) if fill is not None else None
     sharded = parallel is not None and parallel.wrapped is not None
     if isinstance(run.source, StepPrompts):
         run.source.begin_step(step)
@@ -138,9 +141,12 @@ def collect_step(run: RLRun, step: int) -> ProducedBatch:
             shard=parallel.shard if sharded else None,
             seed_base=prompt_seed_base(cfg.train.seed, step) if seeded else None,
             lockstep=lockstep,
-            generate=run.episodes or generate_groups,
+            generate=fill or run.episodes or generate_groups,
+            admitted=admitted,
         )
     metrics = collection_metrics(stats, batch, run.algo.dynamic_sampling, run.episodes)
+    if fill is not None:  # 1: this step's prompts were submitted during the previous step's tail
+        metrics["async/tail_filled"] = float(admitted is not None)
     if lockstep.active:  # engine forwards this rank ran only to take part in the others' gathers
         metrics["rollout/idle_forwards"] = lockstep.idle_forwards
     return ProducedBatch(step, batch, stats, metrics)
@@ -161,7 +167,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     sharded = parallel is not None and parallel.wrapped is not None
     world = parallel.world if parallel is not None else 1
     if run.async_rollout is None and cfg.rollout.mode == "async":  # started by the first step (of a resumed run too)
-        run.async_rollout = AsyncRollout(run, step, lambda s: collect_step(run, s))
+        run.async_rollout = AsyncRollout(run, step, lambda s, fill: collect_step(run, s, fill))
     if run.async_rollout is not None:
         produced, async_metrics = run.async_rollout.take(step)
     else:
