@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from posttrain import kernels
 from posttrain.engine.small_rows_linear import MAX_ROWS
@@ -41,6 +42,8 @@ from posttrain.models.transformer import Transformer
 from posttrain.quant.linear import QuantizedLinear, native_int8_operands
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_PLAIN = (torch.Tensor, nn.Parameter)  # not a tensor subclass (DTensor shards, quantized wrappers): their own ops
+_GLOBAL_HOOKS = (module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks)  # nn.Module's, all modules
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
@@ -190,26 +193,42 @@ class NativeDecode:
         """The table for the model as it is now, rebuilt when a module or tensor moved; None where some layer is
         not one the native step computes (then every step checks again: a LoRA wrapper may come off)."""
         fingerprint = self._fingerprint(meta)
+        if fingerprint is None:
+            return None
         if self._table is None or self._table.fingerprint != fingerprint:
             self._table = self._build(meta, rows, fingerprint)
         return self._table
 
-    def _fingerprint(self, meta) -> list[int]:  # noqa: ANN001
+    def _fingerprint(self, meta) -> list[int] | None:  # noqa: ANN001
+        """Module ids and tensor pointers (and the quantized layers' versions) in a fixed order; None where a module
+        on the way has forward hooks the native step would skip (FSDP2's all-gathers, torchrun's rollout lockstep, a
+        user's) or holds a tensor that is not a plain one (a DTensor shard)."""
+        if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _hooked(self.model):
+            return None
         prints: list[int] = []
         for layer, cache in zip(self.model.layers, meta.kv_caches):
             modules = layer._modules  # plain dict reads: nn.Module.__getattr__ costs ~1 us each
-            attention, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
-            for linear in (*(attention[n] for n in ATTENTION_LINEARS), *(mlp[n] for n in MLP_LINEARS)):
+            attention, mlp = modules["self_attn"], modules["mlp"]
+            norms = (modules["input_layernorm"], modules["post_attention_layernorm"])
+            norms += tuple(attention._modules.get(n) for n in ("q_norm", "k_norm"))  # None: not registered
+            linears = (*(attention._modules[n] for n in ATTENTION_LINEARS), *(mlp._modules[n] for n in MLP_LINEARS))
+            if any(_hooked(m) for m in (layer, attention, mlp, *linears, *norms) if m is not None):
+                return None
+            for linear in linears:
                 prints.append(id(linear))
                 if type(linear) is nn.Linear:  # an optimizer steps these in place: the kernels read them live
-                    prints.extend(t.data_ptr() if t is not None else 0 for t in linear._parameters.values())
+                    tensors = list(linear._parameters.values())
+                    if not all(t is None or type(t) in _PLAIN for t in tensors):
+                        return None
+                    prints.extend(t.data_ptr() if t is not None else 0 for t in tensors)
                 else:  # frozen codes and scales: a reload writes them in place too, and the table holds derived scales
                     for t in linear._buffers.values():
                         prints.extend((t.data_ptr(), t._version) if t is not None else (0, 0))
-            for norm in (modules["input_layernorm"], modules["post_attention_layernorm"]):
-                prints.append(norm._parameters["weight"].data_ptr())
-            for norm in (attention.get("q_norm"), attention.get("k_norm")):  # None: not registered
-                prints.append(norm._parameters["weight"].data_ptr() if norm is not None else 0)
+            for norm in norms:
+                weight = norm._parameters["weight"] if norm is not None else None
+                if weight is not None and type(weight) not in _PLAIN:
+                    return None
+                prints.append(weight.data_ptr() if weight is not None else 0)
             prints.append(cache.data_ptr())
         return prints
 
@@ -290,6 +309,10 @@ def one_query_per_token(meta) -> NativeDecodePlan:  # noqa: ANN001 (PagedAttenti
         group_shared=torch.zeros(N, dtype=torch.long),
         max_members=1,
     )
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 def _fp32_vector(t: torch.Tensor) -> bool:

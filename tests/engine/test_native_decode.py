@@ -179,3 +179,17 @@ def test_models_it_does_not_compute_are_refused_up_front() -> None:
 def test_bad_flag_is_one_clear_error() -> None:
     with pytest.raises(EngineConfigError, match="native_decode_step='yes': must be true or false"):
         make_llm(native_decode_step="yes")
+
+
+def test_forward_hooks_send_the_step_to_the_modules() -> None:
+    """Hooks must run (FSDP2 all-gathers a layer's shards in one, torchrun's rollout lockstep counts working ranks in
+    another): with a hook on any module the native step would skip, the modules run."""
+    model = tiny_model()
+    llm = make_llm(model)
+    calls: list[int] = []
+    handle = model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: calls.append(1))
+    generate(llm)
+    assert llm.engine.runner.native_decode.steps == 0 and len(calls) > 10
+    handle.remove()
+    generate(llm)
+    assert llm.engine.runner.native_decode.steps > 0
