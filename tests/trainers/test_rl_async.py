@@ -119,7 +119,9 @@ def test_tail_fill_starts_the_next_step_early_within_the_bound_and_on_its_own_pr
     for record in records:
         assert record["async/staleness_max"] <= 1 and record["async/stale_dropped"] == 0
         assert record["async/staleness_0"] + record["async/staleness_1"] == record["num_samples"]
-    assert prompts["fill"] == prompts["off"] and len(prompts["fill"]) >= 3
+    # the steps trained (the producer may have collected a step or two past the last before it was closed: racy)
+    trained = range(1, 4)
+    assert [prompts["fill"][s] for s in trained] == [prompts["off"][s] for s in trained]
 
 
 def test_a_failing_rollout_thread_stops_the_run_with_one_error(tmp_path: Path, tok, monkeypatch) -> None:
