@@ -16,7 +16,8 @@ Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up
 - batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy.
 
 Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's `dtype: auto` compute (fp32 on a CPU
-without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with `quant="int8"`.
+without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with `quant="q8_0"` (the
+decoder and the LM head in int8, as the Q8_0 file rounds both).
 Prints progress to stderr and one JSON object as the last line of stdout: per precision both sides' figures and
 `batched_ratio`, `batch1_ratio` (posttrain / llama.cpp; above 1: posttrain is faster).
 """
@@ -127,7 +128,7 @@ def run_posttrain(hf_dir: str, precision: str, workload: Workload) -> dict:
     from posttrain.hardware import auto_dtype
 
     dtype = {"f32": "float32", "bf16": auto_dtype("cpu").dtype, "q8_0": "float32"}[precision]
-    quant = "int8" if precision == "q8_0" else None
+    quant = "q8_0" if precision == "q8_0" else None
     blocks = -(-workload.sequences * (PROMPT_TOKENS * 3 + workload.max_tokens) // 16)  # prompts up to ~3x -npp
     llm = LLM(hf_dir, dtype=dtype, quant=quant, num_kv_blocks=blocks, max_num_seqs=max(workload.sequences, 1))
     prompts = load_prompts(llm.tokenizer, workload.prompts)

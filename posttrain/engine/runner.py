@@ -271,17 +271,21 @@ class ModelRunner:
         reaches its last token (in batch order), the rows to sample from; and the step's prompt logprobs."""
         self.copy_blocks(batch.blocks_to_copy)
         inputs = self.prepare(batch)
+        hidden = None  # (N, d)
+        # Outside the weights' TorchFunctionMode, which would see every pointer read of the native step's checks.
+        if self.native_decode is not None and self.native_decode.can_run(inputs.input_ids, inputs.meta):
+            hidden = self.native_decode.run(inputs.input_ids, inputs.positions, inputs.meta)
         with self._weights_scope():
-            if self.graphs is not None and self.graphs.can_run(inputs.meta):
-                hidden = self.graphs.run(inputs)  # (N, d)
-            elif self.native_decode is not None and self.native_decode.can_run(inputs.input_ids, inputs.meta):
-                hidden = self.native_decode.run(inputs.input_ids, inputs.positions, inputs.meta)  # (N, d)
+            if hidden is not None:
+                pass
+            elif self.graphs is not None and self.graphs.can_run(inputs.meta):
+                hidden = self.graphs.run(inputs)
             else:
                 fused = fused_scope() if self.config.cpu_kernels else nullcontext()
                 with fused:  # fused elementwise ops on CPU (posttrain.kernels.fused)
                     hidden = self.model.hidden_states(
                         inputs.input_ids, positions=inputs.positions, attn_meta=inputs.meta
-                    )  # (N, d)
+                    )
             if inputs.sample_index.numel() == 0:
                 logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
             else:

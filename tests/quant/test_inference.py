@@ -75,13 +75,18 @@ def test_kernel_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch):
 
 
 @needs_kernels
-def test_int8_engine_matches_the_engine_over_the_dequantized_weights(tmp_path):
+@pytest.mark.parametrize("quant", ["int8", "q8_0"])
+def test_int8_engine_matches_the_engine_over_the_dequantized_weights(tmp_path, quant: str):
     """Quantization at load time changes the weights, nothing else: the int8 engine's greedy tokens and logprobs
-    are those of the fp32 engine over the same weights dequantized, within float rounding."""
+    are those of the fp32 engine over the same weights dequantized, within float rounding. q8_0 rounds the LM head
+    too (the embedding it may be tied to stays fp32)."""
     path = write_tiny_dir(tmp_path / "tiny")
-    int8 = LLM(str(path), quant="int8", num_kv_blocks=64, block_size=4)
-    assert all(isinstance(m, QuantizedLinear) for n, m in int8.engine.model.named_modules() if n.endswith("_proj"))
-    dequantized = dequantize_model(quantize_for_inference(tiny_model(), "int8"))
+    int8 = LLM(str(path), quant=quant, num_kv_blocks=64, block_size=4)
+    model = int8.engine.model
+    assert all(isinstance(m, QuantizedLinear) for n, m in model.named_modules() if n.endswith("_proj"))
+    assert isinstance(model.lm_head, QuantizedLinear) == (quant == "q8_0")
+    assert model.embed_tokens.weight.dtype == torch.float32
+    dequantized = dequantize_model(quantize_for_inference(tiny_model(), quant))
     fp32 = LLM(dequantized, char_tokenizer(), num_kv_blocks=64, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
     prompts = ["hello there", "2+2=", "x"]
@@ -107,7 +112,7 @@ def test_int8_weights_take_about_a_quarter_of_the_bytes():
 def test_quant_refuses_a_live_module_and_unknown_schemes(tmp_path):
     with pytest.raises(PosttrainError, match="live module"):
         LLM(tiny_model(), char_tokenizer(), quant="int8")
-    with pytest.raises(PosttrainError, match="quant='int4'"):
+    with pytest.raises(PosttrainError, match="quant='int4': the inference commands take int8, q8_0"):
         LLM(str(tmp_path / "unused"), quant="int4")  # checked before anything loads
 
 
