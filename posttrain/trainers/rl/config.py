@@ -141,8 +141,9 @@ class RolloutSection:
     async_timeout_s: float = 600.0  # async: the trainer stops with an error when no batch comes within this
     # async, single-turn, without dynamic sampling: once at most this share of a step's samples are still generating
     # and the bound lets the rollout start the next step (k >= optimizer steps per RL step), the next step's prompts
-    # join the same engine batch (its tail would otherwise decode at a tiny batch). 1: at once; 0: off.
-    async_fill: float = 0.5
+    # join the same engine batch (its tail would otherwise decode at a tiny batch). 1: at once; 0: off, the default
+    # until it measures faster (on 2 cores it did not: docs/rl.md).
+    async_fill: float = 0.0
     # The engine over the live policy. max_model_len and max_num_seqs left at their defaults are set
     # from max_prompt_tokens + max_tokens and max(batch, data.eval_size) (a KV pool that fits, no more).
     engine: EngineConfig = field(default_factory=EngineConfig)
