@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/quant.py                          # all schemes, 8 prompts, 32 new tokens
     .venv/bin/python benchmarks/quant.py --schemes int8 int4-g128 --batch 4 --max-tokens 16 --rounds 2
+    .venv/bin/python benchmarks/quant.py --schemes --inference int8 q8_0 --batch 1 --max-tokens 128   # --quant
 
 Every variant is the same fp32 model (default: the embedded SmolLM2-135M) quantized in memory, served by the
 rollout engine (`posttrain.engine.LLM` over the live module, greedy, EOS ignored, prefix cache off), or with
@@ -13,6 +14,8 @@ interleaved, round after round, and the best round of each counts (the machine i
 quote the ratios). Besides the schemes (default kernels, see posttrain/quant/linear.py), two variants of
 int4-g128 show the alternatives measured for the forward: `/reference` dequantizes the weight on every
 call, `/cached-fp32` keeps the dequantized fp32 weight resident (fp32 speed at fp32 memory).
+--inference adds the inference commands' `--quant` modes (posttrain/quant/inference.py: q8_0 rounds the LM head
+and the activations too), as `LLM(model, quant=...)` loads them.
 `weights_bytes` counts every tensor the model holds (parameters, buffers, kernel caches; tied weights once);
 `greedy_match` is the fraction of generated tokens equal to fp32's, up to each sample's first difference.
 """
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from posttrain.models.hub import load_model  # noqa: E402
 from posttrain.quant import SCHEMES, QuantizedLinear, dequantize_model, quantize_model, set_compute  # noqa: E402
+from posttrain.quant.inference import INFERENCE_SCHEMES, quantize_for_inference  # noqa: E402
 
 GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
@@ -100,10 +104,12 @@ class LoopRunner:
 RUNNERS = {"engine": EngineRunner, "loop": LoopRunner}
 
 
-def build_variants(model, schemes: list[str]) -> dict[str, torch.nn.Module]:
+def build_variants(model, schemes: list[str], inference: list[str]) -> dict[str, torch.nn.Module]:
     variants = {"fp32": model}
     for name in schemes:
         variants[name] = quantize_model(copy.deepcopy(model), name)
+    for name in inference:
+        variants[f"--quant {name}"] = quantize_for_inference(copy.deepcopy(model), name)
     if "int4-g128" in schemes:
         variants["int4-g128/reference"] = set_compute(quantize_model(copy.deepcopy(model), "int4-g128"), "reference")
         variants["int4-g128/cached-fp32"] = dequantize_model(quantize_model(copy.deepcopy(model), "int4-g128"))
@@ -123,7 +129,8 @@ def greedy_match(tokens: list[list[int]], reference: list[list[int]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--inference", nargs="*", default=[], choices=list(INFERENCE_SCHEMES), help="--quant modes")
     parser.add_argument("--batch", type=int, default=8, help="prompts decoded together")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each variant counts")
@@ -135,7 +142,7 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
     prompts = load_prompts(tokenizer, args.batch)
-    variants = build_variants(model, args.schemes)
+    variants = build_variants(model, args.schemes, args.inference)
     runners = {name: RUNNERS[args.runner](m, tokenizer, prompts, args.max_tokens) for name, m in variants.items()}
     best = {name: float("inf") for name in variants}
     tokens: dict[str, list[list[int]]] = {}

@@ -18,6 +18,8 @@ Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up
 Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's `dtype: auto` compute (fp32 on a CPU
 without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with `quant="q8_0"` (the
 decoder and the LM head in int8, as the Q8_0 file rounds both).
+`--speculative K` also runs posttrain's batch 1 with prompt-lookup (n-gram) drafts of K tokens on the same module
+(`batch1_speculative`, its acceptance rate, and `batch1_speculative_ratio` against llama.cpp's plain batch 1).
 Prints progress to stderr and one JSON object as the last line of stdout: per precision both sides' figures and
 `batched_ratio`, `batch1_ratio` (posttrain / llama.cpp; above 1: posttrain is faster).
 """
@@ -123,7 +125,7 @@ def load_prompts(tokenizer, count: int) -> list[list[int]]:
     ]
 
 
-def run_posttrain(hf_dir: str, precision: str, workload: Workload) -> dict:
+def run_posttrain(hf_dir: str, precision: str, workload: Workload, speculative: int = 0) -> dict:
     from posttrain.engine import LLM, SamplingParams
     from posttrain.hardware import auto_dtype
 
@@ -141,9 +143,34 @@ def run_posttrain(hf_dir: str, precision: str, workload: Workload) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up at batch 1
     start = time.perf_counter()
-    tokens = len(llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids)
-    batch1 = tokens / (time.perf_counter() - start)
-    return {"batched": batched, "batch1": batch1, "dtype": dtype, "quant": quant}
+    plain = llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids
+    batch1 = len(plain) / (time.perf_counter() - start)
+    result = {"batched": batched, "batch1": batch1, "dtype": dtype, "quant": quant}
+    if speculative:
+        result.update(speculative_batch1(llm, dtype, prompts[0], greedy, speculative, plain))
+    return result
+
+
+def speculative_batch1(plain_llm, dtype: str, prompt: list[int], greedy, num_tokens: int, plain: list[int]) -> dict:  # noqa: ANN001
+    """Batch 1 again with prompt-lookup (n-gram) drafts of `num_tokens` over the same (already quantized) module:
+    tokens/s, the acceptance rate, and whether the greedy output is the plain one (it must be)."""
+    from posttrain.engine import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_tokens": num_tokens}
+    llm = LLM(plain_llm.engine.model, plain_llm.tokenizer, dtype=dtype, max_num_seqs=1, speculative=spec)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    tokens = llm.generate([prompt], greedy)[0].outputs[0].token_ids
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return {
+        "batch1_speculative": len(tokens) / seconds,
+        "speculative_acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+        "speculative_identical": list(tokens) == list(plain),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,12 +180,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {PRECISIONS}")
     parser.add_argument("--threads", type=int, default=2, help="threads on both sides (default: 2)")
     parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}, not {FULL}")
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also posttrain's batch 1 with n-gram speculative decoding, K drafts a step (default: off)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan as the JSON line; run nothing")
     args = parser.parse_args(argv)
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in args.precisions if p not in PRECISIONS]
     if unknown or not args.precisions:
         parser.error(f"--precisions: {','.join(unknown) or 'none given'} (choose from {', '.join(PRECISIONS)})")
+    if args.speculative < 0:
+        parser.error(f"--speculative={args.speculative}: a number of draft tokens >= 1, or 0 for off")
     if args.threads < 1:
         parser.error(f"--threads={args.threads}: must be a positive integer")
     if not args.dry_run and args.llamacpp is None:
@@ -189,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"llama.cpp {precision} ...")
         theirs = run_llamacpp(llamacpp, args.hf_dir, precision, workload, args.threads)
         log(f"  {theirs}\nposttrain against {precision} ...")
-        ours = run_posttrain(str(args.hf_dir), precision, workload)
+        ours = run_posttrain(str(args.hf_dir), precision, workload, args.speculative)
         log(f"  {ours}")
         report[precision] = {
             "llamacpp": theirs,
@@ -197,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             "batched_ratio": round(ours["batched"] / theirs["batched"], 3),
             "batch1_ratio": round(ours["batch1"] / theirs["batch1"], 3),
         }
+        if args.speculative:
+            report[precision]["batch1_speculative_ratio"] = round(ours["batch1_speculative"] / theirs["batch1"], 3)
     print(json.dumps(report))
     return 0
 

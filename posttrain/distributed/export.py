@@ -16,11 +16,13 @@ from itertools import chain
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Whole (unsharded) CPU tensors of `model` on rank 0; an empty dict on the other ranks. Collective."""
+    # Imported here, as in posttrain/distributed/checkpoint.py (~1.5 s of import at every startup otherwise).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

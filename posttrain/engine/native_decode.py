@@ -9,7 +9,8 @@ kernels in the same order, so a decode step's hidden states are bit for bit the 
 When: the runner's fp32 CPU forward with the native kernels (EngineConfig.cpu_kernels, native_decode_step), a step
 of at most MAX_ROWS new tokens, with every layer of a kind this step knows: a dense Llama-family decoder
 (grouped-query attention, optional q/k norms and q/k/v biases, SwiGLU; no sliding window, latent attention or
-experts) whose linear layers are plain fp32 `nn.Linear`s or int8 `QuantizedLinear`s on posttrain's int8 kernel.
+experts) whose linear layers are plain fp32 `nn.Linear`s or int8 `QuantizedLinear`s on posttrain's int8 kernels
+(int8_linear.c, or q8_linear.c for the `q8_0` scheme).
 Anything else (LoRA wrappers, bf16 compute, long prompts, more rows) takes the module path.
 
 A step of one new token per sequence attends with the module path's own plan: the result is bit for bit the module
@@ -56,6 +57,7 @@ class _Linear(ctypes.Structure):  # decode_step.c's DecodeLinear
         ("out_features", _i64),
         ("in_features", _i64),
         ("group", _i64),
+        ("quantize_input", _i64),
     ]
 
 
@@ -257,7 +259,8 @@ class NativeDecode:
 
 
 def _fill_linear(entry: _Linear, module: nn.Module, probe: torch.Tensor, keep: list[torch.Tensor]) -> bool:
-    """Point `entry` at an fp32 nn.Linear's weight or an int8 layer's codes and scales; False for any other."""
+    """Point `entry` at an fp32 nn.Linear's weight or an int8 layer's codes and scales (and which int8 kernel the
+    layer runs); False for any other."""
     if type(module) not in (nn.Linear, QuantizedLinear):
         return False
     bias = module.bias
@@ -268,16 +271,16 @@ def _fill_linear(entry: _Linear, module: nn.Module, probe: torch.Tensor, keep: l
         weight = module.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return False
-        entry.weight, entry.scales, entry.group = weight.data_ptr(), None, 0
+        entry.weight, entry.scales, entry.group, entry.quantize_input = weight.data_ptr(), None, 0, 0
         entry.out_features, entry.in_features = weight.shape
         return True
     operands = native_int8_operands(module, _probe(probe, module))
     if operands is None:
         return False
-    codes, scales, group = operands
-    keep.append(scales)
-    entry.weight, entry.scales, entry.group = codes.data_ptr(), scales.data_ptr(), group
-    entry.out_features, entry.in_features = codes.shape
+    keep.append(operands.scales)
+    entry.weight, entry.scales, entry.group = operands.codes.data_ptr(), operands.scales.data_ptr(), operands.group
+    entry.quantize_input = int(operands.quantize_input)
+    entry.out_features, entry.in_features = operands.codes.shape
     return True
 
 

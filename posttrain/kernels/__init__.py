@@ -39,6 +39,7 @@ SOURCES = [
     HERE / "decoder_ops.c",
     HERE / "sampler.c",
     HERE / "int8_linear.c",
+    HERE / "q8_linear.c",
     HERE / "f32_linear.c",
     HERE / "decode_step.c",
 ]
@@ -47,6 +48,7 @@ DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
 MARCH_ENV = "POSTTRAIN_CPU_KERNELS_MARCH"  # the instruction set to build for; unset: the CPU's own ("native")
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]  # + -march=<target_march()>
 LANES = 8  # head_dim must be a multiple of the kernel's vector width
+Q8_GROUP = 32  # q8_linear.c's group: activations and weights share a scale per 32 along K
 # What the psABI's x86-64 levels need of the CPU, in /proc/cpuinfo's names: code built for a level the CPU lacks
 # dies of SIGILL on its first call, so `library` refuses such a build instead.
 _V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
@@ -88,6 +90,7 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "silu_mul": [_ptr, _ptr, _ptr, _i64, _int],
     "sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int],
     "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
+    "q8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "f32_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
 }
@@ -258,6 +261,21 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     y = torch.empty(M, N, dtype=torch.float32)
     library().int8_linear(
         x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, group or K, torch.get_num_threads()
+    )
+    return y
+
+
+def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32, rounded to int8 in groups of 32 along K, times int8 codes (N, K) with an fp32 scale per group
+    of 32 (N, K / 32) -> (M, N) fp32 (q8_linear.c: llama.cpp's Q8_0 product; K a multiple of 32)."""
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    M, K = x.shape
+    N = codes.shape[0]
+    if K % Q8_GROUP:
+        raise ValueError(f"q8_linear: K={K} must be a multiple of {Q8_GROUP}")
+    y = torch.empty(M, N, dtype=torch.float32)
+    library().q8_linear(
+        x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads()
     )
     return y
 

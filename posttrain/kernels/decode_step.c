@@ -6,8 +6,8 @@
  * a fresh tensor. Here the same kernels run back to back from C over preallocated scratch.
  *
  * It computes what the engine's module path computes with the native kernels on, op for op and in the same
- * order, by calling the very same functions (f32_linear, int8_linear, rms_norm, add_rms_norm, rotary, silu_mul,
- * paged_write_kv, paged_decode_attention): the hidden states are bit for bit the module path's (tested).
+ * order, by calling the very same functions (f32_linear, int8_linear, q8_linear, rms_norm, add_rms_norm, rotary,
+ * silu_mul, paged_write_kv, paged_decode_attention): the hidden states are bit for bit the module path's (tested).
  *
  * Per layer, x (M, d) the residual stream, updated in place:
  *     h = rms_norm(x)                                      input_layernorm
@@ -19,8 +19,9 @@
  *     x = x + (silu(h Wg^T) * h Wu^T) Wd^T
  * then out = rms_norm(x) with the final norm.
  *
- * A linear layer is fp32 (group 0) or weight-only int8 (codes with `group` codes per scale, >= K: one per row),
- * with an fp32 bias or none; an int8 layer's bias is added after its product, as QuantizedLinear does.
+ * A linear layer is fp32 (group 0), weight-only int8 (codes with `group` codes per scale, >= K: one per row) or
+ * q8_0 (int8 codes and activations by 32: q8_linear.c), with an fp32 bias or none; an int8 layer's bias is added
+ * after its product, as QuantizedLinear does.
  */
 
 #include <stddef.h>
@@ -31,6 +32,8 @@ void f32_linear(const float* x, const float* w, const float* b, float* y, int64_
                 int threads);
 void int8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                  int64_t group, int threads);
+void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
+               int threads);
 void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t d, float eps, int threads);
 void add_rms_norm(const float* x, const float* delta, const float* weight, float* sum, float* out, int64_t rows,
                   int64_t d, float eps, int threads);
@@ -50,7 +53,8 @@ typedef struct {
     const float* scales; /* int8: (N, ceil(K / group)) fp32; NULL for fp32 */
     const float* bias;   /* (N,) fp32 or NULL */
     int64_t out_features, in_features;
-    int64_t group; /* 0: fp32 weight; else int8 codes per scale along a row */
+    int64_t group;          /* 0: fp32 weight; else int8 codes per scale along a row */
+    int64_t quantize_input; /* int8: 1 for q8_linear (activations rounded to int8 by 32), 0 for int8_linear */
 } DecodeLinear;
 
 typedef struct {
@@ -86,7 +90,10 @@ static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, i
         f32_linear(x, (const float*)l->weight, l->bias, y, M, N, K, threads);
         return;
     }
-    int8_linear(x, (const int8_t*)l->weight, l->scales, y, M, N, K, l->group, threads);
+    if (l->quantize_input)
+        q8_linear(x, (const int8_t*)l->weight, l->scales, y, M, N, K, threads);
+    else
+        int8_linear(x, (const int8_t*)l->weight, l->scales, y, M, N, K, l->group, threads);
     if (l->bias != NULL)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * N + n] += l->bias[n];

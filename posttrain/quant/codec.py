@@ -1,4 +1,4 @@
-"""Pure tensor functions: round-to-nearest quantization, dequantization, int4 packing, per-token activations.
+"""Pure tensor functions: round-to-nearest quantization, dequantization, int4 packing, int8 activations.
 
 Shapes: a weight is (N, K) = (out_features, in_features); G = ceil(K / group_size) groups per row;
 codes are centred int8 (code - 2**(bits-1)), see `posttrain.quant.schemes` for the value formula.
@@ -188,3 +188,23 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
     codes, scales = quantize_per_token(x)
     return (codes.float() * scales).to(x.dtype)
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (int8 codes (M, K) in [-127, 127], fp32 scales (M, ceil(K / group))): one absmax scale per
+    `group` inputs along each row (llama.cpp's Q8_0 blocks). The same fp32 division and rounding as
+    posttrain/kernels/q8_linear.c, so the codes are its codes bit for bit."""
+    xf = x.float()
+    scales = (grouped_view(xf, group).abs().amax(dim=-1) / 127).clamp_(min=1e-12)  # (M, G); zero groups stay zero
+    codes = torch.round(xf / _per_column(scales, group, xf.shape[1])).clamp_(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def fake_quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """x (..., K) rounded as `scheme` rounds its activations (one scale per token, or per group of its group size
+    along K) and dequantized again, in x's dtype: what the integer product sees."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if scheme.group_size is None:
+        return fake_quantize_per_token(x2d).view_as(x)
+    codes, scales = quantize_per_group(x2d, scheme.group_size)
+    return (codes.float() * _per_column(scales, scheme.group_size, x2d.shape[1])).to(x.dtype).view_as(x)

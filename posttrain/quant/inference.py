@@ -27,7 +27,7 @@ from posttrain.errors import PosttrainError
 from posttrain.quant.linear import QuantizedLinear, quantize_model
 
 # What `--quant` accepts -> the scheme its layers get (posttrain.quant.schemes).
-INFERENCE_SCHEMES = {"int8": "int8-g32", "q8_0": "int8-g32"}
+INFERENCE_SCHEMES = {"int8": "int8-g32", "q8_0": "q8_0"}
 QUANTIZES_LM_HEAD = {"q8_0"}  # and the LM head too (llama.cpp's Q8_0 files round their output matrix)
 
 

@@ -13,6 +13,9 @@ How the matmul runs is chosen per call from KERNELS (first one that supports the
   Grouped int8 (`int8-g32`, llama.cpp's Q8_0 grid) takes it on every CPU (torch has no grouped int8 kernel);
   its prefill-sized inputs take `reference` (measured at 95 x 576 -> 1536: dequantize + fp32 matmul 1.9 ms, this
   kernel 3.7 ms, fp32 1.4 ms).
+- `cpu_q8_native`: the `q8_0` scheme (llama.cpp's Q8_0: int8 weights and activations in groups of 32), fp32
+  inputs of at most NATIVE_MAX_ROWS rows: posttrain's C kernel (posttrain/kernels/q8_linear.c) rounds the
+  activations to int8 per group and sums the products in integers. Prefill-sized inputs take `reference`.
 - `cpu_int4_bf16`, `cpu_int8_bf16`: torch's fused CPU weight-only kernels; they read the packed weights
   as stored and take bf16 activations (the input is rounded to bf16, the output cast back). Measured on
   this CPU (AVX-512): 2-3x faster than an fp32 matmul for decode-sized inputs (a few rows), slower than
@@ -20,7 +23,7 @@ How the matmul runs is chosen per call from KERNELS (first one that supports the
 - `int_mm`: W8A8, per-token dynamic int8 activations times int8 weights with `torch._int_mm` (int32
   accumulation, exact); measured 1-3x faster than fp32 on this CPU (VNNI). Taken only where a probe finds it
   exact (`int_mm_is_exact`: without VNNI oneDNN's int8 GEMM saturates).
-- `reference`: dequantize the weight (fp32 math, cast to the input dtype), then `F.linear`; for W8A8 the
+- `reference`: dequantize the weight (fp32 math, cast to the input dtype), then `F.linear`; for W8A8 and q8_0 the
   activations are fake-quantized first. Runs on any device; the exact semantics of the scheme. Measured
   5-10x slower than fp32 per call on CPU (it writes a full float weight every call): a fallback.
 
@@ -47,7 +50,7 @@ from posttrain.errors import PosttrainError
 from posttrain.quant.codec import (
     TILE_ROWS,
     dequantize_weight,
-    fake_quantize_per_token,
+    fake_quantize_activations,
     pack_int4,
     quantize_per_token,
     quantize_weight,
@@ -251,7 +254,7 @@ def _cached(layer: QuantizedLinear, key: tuple, build: Callable[[], object]) -> 
 
 def _reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.scheme.activation_bits is not None:  # W8A8 in float: rounded activations times rounded weights
-        return F.linear(fake_quantize_per_token(x.float()), layer.dequantize(torch.float32)).to(x.dtype)
+        return F.linear(fake_quantize_activations(x.float(), layer.scheme), layer.dequantize(torch.float32)).to(x.dtype)
     return F.linear(x, layer.dequantize(x.dtype))
 
 
@@ -344,13 +347,42 @@ def _native_scales(layer: QuantizedLinear) -> torch.Tensor:
     return _cached(layer, ("cpu_int8_native", "cpu"), lambda: layer.scales.float().contiguous())  # (N, G) fp32
 
 
-def native_int8_operands(layer: QuantizedLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """What posttrain's int8 kernel computes `layer(x)` from, where `forward` would take that kernel for an input
-    like x (M, K): (codes (N, K) int8, scales (N, G) fp32, codes per scale); else None. The engine's native
-    decode step (posttrain/engine/native_decode.py) calls the kernel with them itself."""
-    if layer.kernel_for(x) is not KERNELS["cpu_int8_native"]:
+def _cpu_q8_native_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
+    scheme = layer.scheme
+    return (
+        scheme.bits == 8
+        and scheme.activation_bits == 8
+        and scheme.group_size == kernels.Q8_GROUP
+        and layer.in_features % kernels.Q8_GROUP == 0
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] <= NATIVE_MAX_ROWS
+        and kernels.library() is not None
+    )
+
+
+def _cpu_q8_native_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return kernels.q8_linear(x, layer.qweight, _native_scales(layer))  # (M, N)
+
+
+@dataclass(frozen=True)
+class NativeInt8Operands:
+    """What posttrain's int8 kernels compute `layer(x)` from (posttrain/engine/native_decode.py calls them itself)."""
+
+    codes: torch.Tensor  # (N, K) int8
+    scales: torch.Tensor  # (N, G) fp32
+    group: int  # codes per scale along a row (K: one per row)
+    quantize_input: bool  # q8_linear.c (activations rounded to int8 by 32), else int8_linear.c (fp32 activations)
+
+
+def native_int8_operands(layer: QuantizedLinear, x: torch.Tensor) -> NativeInt8Operands | None:
+    """The operands where `forward` would take one of posttrain's int8 kernels for an input like x (M, K); else
+    None."""
+    kernel = layer.kernel_for(x)
+    if kernel not in (KERNELS["cpu_int8_native"], KERNELS["cpu_q8_native"]):
         return None
-    return layer.qweight, _native_scales(layer), layer.scheme.group_size or layer.in_features
+    group = layer.scheme.group_size or layer.in_features
+    return NativeInt8Operands(layer.qweight, _native_scales(layer), group, kernel is KERNELS["cpu_q8_native"])
 
 
 def _cpu_int8_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
@@ -395,7 +427,8 @@ def int_mm_is_exact() -> bool:
 
 def _int_mm_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
     # Verified on CPU only; CUDA's _int_mm has shape limits (more than 16 rows, multiples of 8) left untested.
-    return layer.scheme.activation_bits == 8 and x.device.type == "cpu" and int_mm_is_exact()
+    per_token = layer.scheme.activation_bits == 8 and layer.scheme.group_size is None
+    return per_token and x.device.type == "cpu" and int_mm_is_exact()
 
 
 def _int_mm_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -409,6 +442,7 @@ KERNELS: dict[str, Kernel] = {
     for k in (
         Kernel("cpu_int4_bf16", _cpu_int4_supports, _cpu_int4_matmul),
         Kernel("cpu_int8_native", _cpu_int8_native_supports, _cpu_int8_native_matmul),
+        Kernel("cpu_q8_native", _cpu_q8_native_supports, _cpu_q8_native_matmul),
         Kernel("cpu_int8_bf16", _cpu_int8_supports, _cpu_int8_matmul),
         Kernel("int_mm", _int_mm_supports, _int_mm_matmul),
         Kernel("reference", lambda layer, x: True, _reference),

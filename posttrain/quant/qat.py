@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.errors import PosttrainError
-from posttrain.quant.codec import fake_quantize, fake_quantize_per_token
+from posttrain.quant.codec import fake_quantize, fake_quantize_activations
 from posttrain.quant.linear import QuantizedLinear, decoder_linear_names, replace_module
 from posttrain.quant.schemes import QuantScheme, get_scheme
 
@@ -50,7 +50,7 @@ class FakeQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.activation_bits is not None:
-            x = _StraightThrough.apply(x, fake_quantize_per_token)
+            x = _StraightThrough.apply(x, lambda t: fake_quantize_activations(t, self.scheme))
         return F.linear(x, self.quantized_weight(), self.bias)
 
     def extra_repr(self) -> str:

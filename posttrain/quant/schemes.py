@@ -1,7 +1,9 @@
 """Quantization schemes: what a name like `int4-g128-asym` means, as data in one registry.
 
 A scheme fixes the weight format (bits, group size, symmetric or with a zero point) and whether the
-activations are quantized too (W8A8: per-token dynamic int8). Round-to-nearest throughout.
+activations are quantized too: dynamic int8 with one absmax scale per token (`w8a8`: per-channel weights) or
+per group of the weights' group size along the input (`q8_0`: llama.cpp's Q8_0 x Q8_0 product, groups of 32).
+Round-to-nearest throughout.
 
 Weight value of a stored code q (centred: q = code - 2**(bits-1), in [-8, 7] for int4, [-128, 127] for
 int8) in group g of output channel n:
@@ -33,7 +35,9 @@ class QuantScheme:
     bits: int  # 8 or 4
     group_size: int | None  # weights per scale along in_features; None = one group per output channel
     symmetric: bool
-    activation_bits: int | None = None  # 8 = per-token dynamic int8 activations (W8A8); None = weight-only
+    # 8 = dynamic int8 activations, one scale per token (group_size None) or per group of group_size along the
+    # input (the weights' groups); None = weight-only
+    activation_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in WEIGHT_BITS:
@@ -44,8 +48,8 @@ class QuantScheme:
             raise PosttrainError(f"scheme {self.name!r}: group_size={self.group_size!r} must be an integer >= 2")
         if self.activation_bits not in (None, 8):
             raise PosttrainError(f"scheme {self.name!r}: activation_bits={self.activation_bits!r} (supported: 8)")
-        if self.activation_bits is not None and (self.bits != 8 or not self.symmetric or self.group_size is not None):
-            raise PosttrainError(f"scheme {self.name!r}: int8 activations need symmetric per-channel int8 weights")
+        if self.activation_bits is not None and (self.bits != 8 or not self.symmetric):
+            raise PosttrainError(f"scheme {self.name!r}: int8 activations need symmetric int8 weights")
 
     @property
     def mid(self) -> int:
@@ -107,6 +111,7 @@ SCHEMES: dict[str, QuantScheme] = {
         QuantScheme("int8-g32", 8, 32, True),  # llama.cpp's Q8_0 grid: a scale per 32 weights
         QuantScheme("int8-asym", 8, None, False),
         QuantScheme("w8a8", 8, None, True, activation_bits=8),
+        QuantScheme("q8_0", 8, 32, True, activation_bits=8),  # llama.cpp's Q8_0: weights and activations by 32
         *(_int4(g, sym) for g in (32, 64, 128) for sym in (True, False)),
     )
 }

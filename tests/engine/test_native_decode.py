@@ -59,9 +59,17 @@ def test_decode_is_bit_for_bit_the_module_path(kind: str, temperature: float) ->
     assert got == generate(plain, temperature=temperature)
 
 
-def test_int8_layers_are_bit_for_bit_the_module_path() -> None:
-    model = tiny_model()
-    quantize_for_inference(model, "int8")
+@pytest.mark.parametrize("quant", ["int8", "q8_0"])
+def test_int8_layers_are_bit_for_bit_the_module_path(quant: str) -> None:
+    """int8_linear.c, and q8_linear.c for q8_0 (every layer's input a multiple of its groups of 32)."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(tiny_model().config, hidden_size=64, num_attention_heads=8)).eval()
+    quantize_for_inference(model, quant)
+    probe = torch.empty(1, 64)
+    kernel = "cpu_q8_native" if quant == "q8_0" else "cpu_int8_native"
+    assert {m.kernel_for(probe).name for n, m in model.named_modules() if n.endswith(("q_proj", "gate_proj"))} == {
+        kernel
+    }
     assert generate(make_llm(model)) == generate(make_llm(model, native_decode_step=False))
     llm = make_llm(model)
     generate(llm)

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.cli import main
 from posttrain.models.checkpoint_io import load_hf_dir
-from posttrain.models.hub import DEFAULT_MODEL, load_model, packaged_gguf_path
+from posttrain.models.hub import DEFAULT_MODEL, load_model
 
 pytestmark = pytest.mark.slow  # the embedded default model, loaded and converted
 
@@ -17,15 +17,6 @@ pytestmark = pytest.mark.slow  # the embedded default model, loaded and converte
 @pytest.fixture(scope="module")
 def ours():
     return load_model(DEFAULT_MODEL, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def hf_from_gguf():
-    import transformers
-
-    gguf = packaged_gguf_path(DEFAULT_MODEL)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval()
 
 
 def test_gguf_logits_match_transformers(ours, hf_from_gguf):

@@ -32,17 +32,8 @@ def smollm() -> GGUFCheckpoint:
     return read_gguf(DEFAULT_GGUF)
 
 
-@pytest.fixture(scope="module")
-def hf_smollm() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(DEFAULT_GGUF.parent), gguf_file=DEFAULT_GGUF.name, dtype=torch.float32
-    )
-
-
-def test_tensors_match_transformers_gguf_loader(smollm, hf_smollm):
-    hf_state = hf_smollm.state_dict()
+def test_tensors_match_transformers_gguf_loader(smollm, hf_from_gguf):
+    hf_state = hf_from_gguf.state_dict()
     # tied embeddings: transformers lists lm_head.weight too; we leave it out, as HF checkpoints do
     assert set(smollm.tensors) == set(hf_state) - {"lm_head.weight"}
     for name, tensor in smollm.tensors.items():
@@ -52,8 +43,8 @@ def test_tensors_match_transformers_gguf_loader(smollm, hf_smollm):
             torch.testing.assert_close(tensor, hf_state[name].float(), atol=1e-6, rtol=0, msg=name)
 
 
-def test_config_matches_transformers_gguf_loader(smollm, hf_smollm):
-    config, hf_config = smollm.config, hf_smollm.config
+def test_config_matches_transformers_gguf_loader(smollm, hf_from_gguf):
+    config, hf_config = smollm.config, hf_from_gguf.config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     for key in (
         "hidden_size",

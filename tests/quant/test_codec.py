@@ -7,7 +7,13 @@ import torch
 
 from posttrain.errors import PosttrainError
 from posttrain.quant import SCHEMES, QuantScheme, dequantize_weight, get_scheme, pack_int4, quantize_weight, unpack_int4
-from posttrain.quant.codec import fake_quantize, fake_quantize_per_token, quantize_per_token
+from posttrain.quant.codec import (
+    fake_quantize,
+    fake_quantize_activations,
+    fake_quantize_per_token,
+    quantize_per_group,
+    quantize_per_token,
+)
 
 WEIGHT_ONLY = [name for name, s in SCHEMES.items() if s.activation_bits is None]
 
@@ -26,6 +32,7 @@ def test_registry_names_and_fields():
         "int8-g32",
         "int8-asym",
         "w8a8",
+        "q8_0",
         "int4-g32",
         "int4-g32-asym",
         "int4-g64",
@@ -37,6 +44,7 @@ def test_registry_names_and_fields():
     assert (s.bits, s.group_size, s.symmetric, s.q_min, s.q_max) == (4, 128, False, -8, 7)
     assert (get_scheme("int8").q_min, get_scheme("int8").q_max) == (-128, 127)
     assert get_scheme("w8a8").activation_bits == 8
+    assert (get_scheme("q8_0").group_size, get_scheme("q8_0").activation_bits) == (32, 8)  # llama.cpp's Q8_0
     assert get_scheme(s) is s
 
 
@@ -47,7 +55,7 @@ def test_registry_names_and_fields():
         (lambda: QuantScheme("x", 3, None, True), "bits=3"),
         (lambda: QuantScheme("x", 4, 1, True), "group_size=1 must be an integer >= 2"),
         (lambda: QuantScheme("x", 4, True, True), "group_size=True"),
-        (lambda: QuantScheme("x", 4, 32, True, activation_bits=8), "int8 activations need symmetric per-channel int8"),
+        (lambda: QuantScheme("x", 4, 32, True, activation_bits=8), "int8 activations need symmetric int8 weights"),
         (lambda: QuantScheme("x", 8, None, True, activation_bits=4), "activation_bits=4"),
     ],
 )
@@ -199,3 +207,22 @@ def test_per_token_activation_quantization():
     assert codes.tolist() == [[127, -64, 0], [0, 0, 0], [-127, 64, 0]]  # round half to even: -63.5 -> -64
     assert scales[:, 0].tolist() == pytest.approx([0.01, 1e-12, 2.0])
     assert torch.equal(fake_quantize_per_token(x)[1], x[1])  # a zero row stays zero
+
+
+def test_per_group_activation_quantization():
+    """A scale per group of `group` inputs along each row (a short last group too): each group's largest magnitude
+    becomes code +-127 whatever the other groups hold (per token, the small group would round to zeros)."""
+    x = torch.tensor([[1.27, -0.635, 254.0, 127.0, 3.0], [0.0, 0.0, -254.0, 127.0, 0.0]])
+    codes, scales = quantize_per_group(x, 2)
+    assert codes.dtype == torch.int8 and scales.shape == (2, 3)
+    assert codes.tolist() == [[127, -64, 127, 64, 127], [0, 0, -127, 64, 0]]  # half to even: 63.5 -> 64
+    assert scales.flatten().tolist() == pytest.approx([0.01, 2.0, 3 / 127, 1e-12, 2.0, 1e-12])
+    scheme = get_scheme("q8_0")
+    y = torch.randn(3, 4, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
+    rounded = fake_quantize_activations(y, scheme)
+    assert rounded.shape == y.shape
+    step = y.view(3, 4, 3, 32).abs().amax(-1, keepdim=True) / 127  # each group's own grid: at most half a step off
+    assert ((rounded - y).view(3, 4, 3, 32).abs() <= step * (0.5 + 1e-6)).all()
+    assert torch.equal(
+        fake_quantize_activations(y, get_scheme("w8a8")), fake_quantize_per_token(y.view(12, 96)).view_as(y)
+    )

@@ -11,7 +11,8 @@ from posttrain import kernels
 from posttrain.cli import main as cli_main
 from posttrain.engine import LLM, SamplingParams
 from posttrain.errors import PosttrainError
-from posttrain.quant import QuantizedLinear, dequantize_model
+from posttrain.quant import QuantizedLinear, dequantize_model, set_compute
+from posttrain.quant.codec import fake_quantize_activations
 from posttrain.quant.inference import quantize_for_inference, weight_bytes
 from posttrain.quant.linear import NATIVE_MAX_ROWS
 from tests.numeric import REORDER_RTOL, reorder_rtol
@@ -61,6 +62,45 @@ def test_grouped_int8_uses_each_groups_own_scale():
     assert ((layer.dequantize() - weight).view(8, 3, 32).abs() <= step * (0.5 + 1 / 16)).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(64, 576), (30, 96)])  # 30 rows: a last block of 2
+def test_q8_kernel_matches_its_reference(rows: int, shape: tuple[int, int]):
+    """llama.cpp's Q8_0 product: the C kernel rounds the activations to int8 per group of 32 exactly as
+    `quantize_per_group` does (the same codes), sums the products in integers (exact) and scales each group's sum:
+    within the reordering of the fp32 sum over groups of the reference (fake-quantized activations times the
+    dequantized weight). One activation code rounded differently would move a result by a whole step (~1/127 of
+    its group's largest input times a weight), far past this bound."""
+    layer = int8_layer(*shape, scheme="q8_0")
+    x = torch.randn(rows, shape[1])
+    assert layer.kernel_for(x).name == "cpu_q8_native"
+    y = layer(x)
+    rounded = fake_quantize_activations(x, layer.scheme)
+    weight = layer.dequantize()
+    reference = torch.nn.functional.linear(rounded, weight)
+    assert (y - reference).abs().max() <= reorder_rtol(2, shape[1]) * (rounded.abs() @ weight.abs().t()).max()
+    assert (y - torch.nn.functional.linear(x, weight)).abs().max() > 0  # the activations were rounded
+
+
+@needs_kernels
+def test_q8_kernel_scales_activations_per_group():
+    """Inputs and weights whose groups of 32 differ by 1e6 in size, so each group adds as much to the result: one
+    activation scale per token would round the small group's inputs to zero and lose a third of every output."""
+    torch.manual_seed(2)
+    weight = torch.randn(8, 96) * torch.tensor([1e3, 1.0, 1e-3]).repeat_interleave(32)
+    layer = QuantizedLinear.from_float(weight, None, "q8_0")
+    x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
+    assert layer.kernel_for(x).name == "cpu_q8_native"
+    exact = torch.nn.functional.linear(x, weight)
+    # Each factor off by at most half a step of its own group's grid (the weights' fp16 scale adds 1/16 of a step).
+    x_err = (x.view(3, 3, 32).abs().amax(-1, keepdim=True) / 127 / 2).expand(3, 3, 32).reshape(3, 96)
+    w_err = (weight.view(8, 3, 32).abs().amax(-1, keepdim=True) / 128 * (0.5 + 1 / 16)).expand(8, 3, 32).reshape(8, 96)
+    bound = x_err @ weight.abs().t() + x.abs() @ w_err.t() + x_err @ w_err.t()
+    assert ((layer(x) - exact).abs() <= bound * (1 + 1e-3)).all()
+    assert layer.kernel_for(torch.randn(NATIVE_MAX_ROWS + 1, 96)).name == "reference"  # prefill
+    assert QuantizedLinear.from_float(weight[:, :80], None, "q8_0").kernel_for(x[:, :80]).name == "reference"
+
+
 def test_kernel_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch):
     layer = int8_layer(64, 576)
     decode, prefill = torch.randn(2, 576), torch.randn(NATIVE_MAX_ROWS + 1, 576)
@@ -75,25 +115,43 @@ def test_kernel_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("quant", ["int8", "q8_0"])
-def test_int8_engine_matches_the_engine_over_the_dequantized_weights(tmp_path, quant: str):
-    """Quantization at load time changes the weights, nothing else: the int8 engine's greedy tokens and logprobs
-    are those of the fp32 engine over the same weights dequantized, within float rounding. q8_0 rounds the LM head
-    too (the embedding it may be tied to stays fp32)."""
+def test_int8_engine_matches_the_engine_over_the_dequantized_weights(tmp_path):
+    """Weight-only quantization at load time changes the weights, nothing else: the int8 engine's greedy tokens and
+    logprobs are those of the fp32 engine over the same weights dequantized, within float rounding."""
     path = write_tiny_dir(tmp_path / "tiny")
-    int8 = LLM(str(path), quant=quant, num_kv_blocks=64, block_size=4)
+    int8 = LLM(str(path), quant="int8", num_kv_blocks=64, block_size=4)
     model = int8.engine.model
     assert all(isinstance(m, QuantizedLinear) for n, m in model.named_modules() if n.endswith("_proj"))
-    assert isinstance(model.lm_head, QuantizedLinear) == (quant == "q8_0")
-    assert model.embed_tokens.weight.dtype == torch.float32
-    dequantized = dequantize_model(quantize_for_inference(tiny_model(), quant))
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    dequantized = dequantize_model(quantize_for_inference(tiny_model(), "int8"))
     fp32 = LLM(dequantized, char_tokenizer(), num_kv_blocks=64, block_size=4)
+    assert_same_generations(int8, fp32, REORDER_RTOL)
+
+
+@needs_kernels
+def test_q8_0_engine_matches_its_reference_kernels(tmp_path):
+    """q8_0 rounds the activations too, as llama.cpp's Q8_0 product does, and the LM head (the embedding it may be
+    tied to stays fp32): the engine on the C kernels gives the greedy tokens of the same quantized model on the
+    reference kernels (fake-quantized activations times dequantized weights). Their logprobs agree to rounding,
+    except where an input lands on the other side of an activation rounding boundary on one path (inputs apart
+    by a reordering): that moves a logit by about one step of 1/127, so 1e-2 is allowed."""
+    path = write_tiny_dir(tmp_path / "tiny")
+    q8 = LLM(str(path), quant="q8_0", num_kv_blocks=64, block_size=4)
+    model = q8.engine.model
+    assert isinstance(model.lm_head, QuantizedLinear) and model.embed_tokens.weight.dtype == torch.float32
+    assert {m.scheme.name for m in model.modules() if isinstance(m, QuantizedLinear)} == {"q8_0"}
+    reference = set_compute(quantize_for_inference(tiny_model(), "q8_0"), "reference")
+    assert_same_generations(q8, LLM(reference, char_tokenizer(), num_kv_blocks=64, block_size=4), 1e-2)
+    assert q8.engine.runner.native_decode.steps > 0  # the decode steps ran q8_linear.c from the native step
+
+
+def assert_same_generations(llm: LLM, other: LLM, rtol: float) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
     prompts = ["hello there", "2+2=", "x"]
-    for got, want in zip(int8.generate(prompts, params), fp32.generate(prompts, params)):
+    for got, want in zip(llm.generate(prompts, params), other.generate(prompts, params)):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
-            assert abs(a - b) <= REORDER_RTOL * max(1.0, abs(b))
+            assert abs(a - b) <= rtol * max(1.0, abs(b))
 
 
 def test_int8_weights_take_about_a_quarter_of_the_bytes():

@@ -11,11 +11,11 @@ from torch import nn
 
 from posttrain.errors import PosttrainError
 from posttrain.quant import FakeQuantLinear, QuantizedLinear, convert_qat, fake_quantize, prepare_qat, quantize_model
-from posttrain.quant.codec import fake_quantize_per_token
+from posttrain.quant.codec import fake_quantize_activations
 from tests.quant.tiny import tiny_model
 
 
-@pytest.mark.parametrize("name", ["int8", "int4-g32-asym", "w8a8"])
+@pytest.mark.parametrize("name", ["int8", "int4-g32-asym", "w8a8", "q8_0"])
 def test_forward_is_quantize_dequantize_and_gradient_is_straight_through(name):
     torch.manual_seed(0)
     linear = nn.Linear(64, 32, bias=True)
@@ -23,7 +23,7 @@ def test_forward_is_quantize_dequantize_and_gradient_is_straight_through(name):
     x = torch.randn(3, 4, 64, requires_grad=True)
     y = fq(x)
     w_q = fake_quantize(linear.weight.detach(), fq.scheme)
-    x_q = fake_quantize_per_token(x.detach()) if fq.scheme.activation_bits else x.detach()
+    x_q = fake_quantize_activations(x.detach(), fq.scheme) if fq.scheme.activation_bits else x.detach()
     assert torch.equal(y, F.linear(x_q, w_q, linear.bias))
     grad_out = torch.randn_like(y)
     (y * grad_out).sum().backward()

@@ -1,0 +1,100 @@
+/* llama.cpp's Q8_0 product for decode-sized inputs: int8 weights in groups of 32 times activations rounded to
+ * int8 in the same groups of 32, integer dot products, fp32 scales (the `q8_0` scheme, posttrain/quant/schemes.py).
+ *
+ * Why: int8_linear.c widens each weight code to a float and multiplies in fp32: 3 instructions per 8 codes, and at
+ * batch 1 that arithmetic, not memory, is its limit (~10 GB/s of codes on a 2-core AVX2 machine). With the
+ * activations rounded to int8 too, AVX2 multiplies 32 code pairs in a few integer instructions (no VNNI needed):
+ * the product of a group is exact in int32, and only its scaling is floating point. llama.cpp's CPU backend runs
+ * its Q8_0 matrices this way (activations quantized to Q8_0 blocks first), so this is the like-for-like product.
+ *
+ * Semantics, per input row m and group g (32 inputs k):
+ *     d[m, g] = max(max_k |x[m, k]| / 127, 1e-12)          the activations' scale (fp32)
+ *     a[m, k] = round_half_even(x[m, k] / d[m, g])          in [-127, 127]
+ *     y[m, n] = sum_g (sum_k a[m, k] * code[n, k]) * (d[m, g] * scale[n, g])
+ * `posttrain.quant.codec.quantize_per_group` computes the same codes and scales bit for bit (the same fp32
+ * division and rounding), and the reference kernel the same y up to the order of the fp32 sum over groups.
+ *
+ * The integer dot of a group on AVX2 (`group_dot`): _mm256_maddubs_epi16 multiplies unsigned by signed bytes, so
+ * the signs move onto the activations: |code| * (sign(code) * a). |code| <= 128 is exact as an unsigned byte (a
+ * code of -128 too) and |a| <= 127 so the negation cannot overflow; each pair sums to at most 2 * 128 * 127 =
+ * 32512 < 32767, so the int16 step never saturates. _mm256_madd_epi16 then widens to 8 int32 sums.
+ *
+ * x (M, K) fp32, codes (N, K) int8, scales (N, K / 32) fp32, y (M, N) fp32; all contiguous; K a multiple of 32
+ * (checked by the caller). OpenMP splits the output rows over `threads` in blocks of ROW_BLOCK.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "vec_math.h"
+
+#define GROUP 32
+#define ROW_BLOCK 4 /* weight rows that share each load of an activation group */
+/* Codes of the block this many blocks ahead are prefetched (as in int8_linear.c: four short rows side by side are
+ * a pattern the hardware prefetcher follows poorly). */
+#define PREFETCH_BLOCKS 8
+
+/* x (M, K) -> codes a (M, K) and scales d (M, K / GROUP), as the top comment defines them. */
+static void quantize_groups(const float* x, int8_t* a, float* d, int64_t M, int64_t K) {
+    for (int64_t g = 0; g < M * (K / GROUP); g++) {
+        const float* xg = x + g * GROUP;
+        float amax = 0.0f;
+        for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
+        const float scale = fmaxf(amax / 127.0f, 1e-12f);
+        for (int i = 0; i < GROUP; i++) a[g * GROUP + i] = (int8_t)nearbyintf(xg[i] / scale);
+        d[g] = scale;
+    }
+}
+
+/* The 32 products of one group, summed exactly, in LANES partial sums converted to float. */
+static inline vec group_dot(const int8_t* codes, const int8_t* a) {
+#ifdef __AVX2__
+    const __m256i w = _mm256_loadu_si256((const __m256i*)codes);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)a), w));
+    return (vec)_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#else
+    vec sums;
+    for (int l = 0; l < LANES; l++) {
+        int32_t s = 0;
+        for (int i = l * (GROUP / LANES); i < (l + 1) * (GROUP / LANES); i++) s += (int32_t)codes[i] * a[i];
+        sums[l] = (float)s;
+    }
+    return sums;
+#endif
+}
+
+/* y[m, n0 .. n0 + rows) for one input row: each group's activations serve `rows` weight rows. */
+static inline void tile(const int8_t* a, const float* d, const int8_t* codes, const float* scales, float* y,
+                        int64_t N, int64_t K, int64_t m, int64_t n0, const int rows) {
+    const int64_t G = K / GROUP;
+    vec acc[ROW_BLOCK] = {{0}};
+    for (int64_t g = 0; g < G; g++) {
+        if (g % 2 == 0) /* a cache line (two groups) of each row PREFETCH_BLOCKS blocks ahead */
+            for (int r = 0; r < ROW_BLOCK; r++)
+                __builtin_prefetch(codes + (n0 + PREFETCH_BLOCKS * ROW_BLOCK + r) * K + g * GROUP);
+        const int8_t* ag = a + m * K + g * GROUP;
+        const float dg = d[m * G + g];
+        for (int r = 0; r < rows; r++)
+            acc[r] += group_dot(codes + (n0 + r) * K + g * GROUP, ag) * splat(dg * scales[(n0 + r) * G + g]);
+    }
+    for (int r = 0; r < rows; r++) y[m * N + n0 + r] = lane_sum(acc[r]);
+}
+
+void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
+               int threads) {
+    int8_t* a = malloc((size_t)(M * K)); /* a decode step's few rows: a few KB */
+    float* d = malloc(sizeof(float) * (size_t)(M * (K / GROUP)));
+    quantize_groups(x, a, d, M, K);
+    const int64_t blocks = N / ROW_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, b * ROW_BLOCK, ROW_BLOCK);
+    for (int64_t n = blocks * ROW_BLOCK; n < N; n++)
+        for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, n, 1);
+    free(a);
+    free(d);
+}
