@@ -179,10 +179,9 @@ def unpack_int4(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (int8 codes (M, K) in [-127, 127], fp32 scales (M, 1)): one absmax scale per row."""
-    xf = x.float()
-    scales = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp_(min=1e-12)  # (M, 1); zero rows stay zero
-    return torch.round(xf / scales).clamp_(-127, 127).to(torch.int8), scales
+    """(M, K) float -> (int8 codes (M, K) in [-127, 127], fp32 scales (M, 1)): one absmax scale per row, i.e. one
+    group of K."""
+    return quantize_per_group(x, x.shape[-1])
 
 
 def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -204,7 +203,6 @@ def fake_quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> torch.Ten
     """x (..., K) rounded as `scheme` rounds its activations (one scale per token, or per group of its group size
     along K) and dequantized again, in x's dtype: what the integer product sees."""
     x2d = x.reshape(-1, x.shape[-1])
-    if scheme.group_size is None:
-        return fake_quantize_per_token(x2d).view_as(x)
-    codes, scales = quantize_per_group(x2d, scheme.group_size)
-    return (codes.float() * _per_column(scales, scheme.group_size, x2d.shape[1])).to(x.dtype).view_as(x)
+    group = scheme.group_size or x2d.shape[1]
+    codes, scales = quantize_per_group(x2d, group)
+    return (codes.float() * _per_column(scales, group, x2d.shape[1])).to(x.dtype).view_as(x)

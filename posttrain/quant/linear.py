@@ -321,18 +321,19 @@ def _cpu_int4_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _native_decode_input(x: torch.Tensor) -> bool:
+    """Whether posttrain's int8 C kernels take this input: fp32 decode rows on CPU, with the kernels built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] <= NATIVE_MAX_ROWS
+        and kernels.library() is not None
+    )
+
+
 def _cpu_int8_native_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
     scheme = layer.scheme
-    if not (
-        scheme.bits == 8
-        and scheme.symmetric
-        and scheme.activation_bits is None
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and kernels.library() is not None
-    ):
-        return False
-    if x.shape[0] > NATIVE_MAX_ROWS:
+    if not (scheme.bits == 8 and scheme.symmetric and scheme.activation_bits is None and _native_decode_input(x)):
         return False
     if scheme.group_size is not None:  # torch has no grouped int8 kernel: this one on every CPU
         return scheme.group_size % 8 == 0 or scheme.group_size >= layer.in_features
@@ -354,10 +355,7 @@ def _cpu_q8_native_supports(layer: QuantizedLinear, x: torch.Tensor) -> bool:
         and scheme.activation_bits == 8
         and scheme.group_size == kernels.Q8_GROUP
         and layer.in_features % kernels.Q8_GROUP == 0
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and x.shape[0] <= NATIVE_MAX_ROWS
-        and kernels.library() is not None
+        and _native_decode_input(x)
     )
 
 
