@@ -69,16 +69,28 @@ class RolloutLink:
         """This rollout rank's place among the rollout ranks (0 .. M-1)."""
         return self.rank - (self.world_size - self.num_rollout)
 
-    def _wait(self, work: Any, peer: int, what: str) -> None:
+    @contextlib.contextmanager
+    def failures(self, what: str, peer: int | None = None) -> Iterator[None]:
+        """Inside: gloo's error for a peer that died or did not answer (raised when an operation is posted, if
+        the peer's socket is already closed, or when it is waited for) becomes one `RolloutRankError` naming the
+        peer (`peer`, else the rollout ranks whose processes are gone)."""
         try:
-            work.wait(timedelta(seconds=self.timeout_s))
+            yield
         except RuntimeError as error:
-            side = "rollout rank" if peer in self.rollout_ranks else "trainer rank"
+            if peer is not None:
+                who = f"{'rollout rank' if peer in self.rollout_ranks else 'trainer rank'} {peer}"
+            else:
+                who = ", ".join(f"rollout rank {r}" for r in self.gone_ranks()) or "a rollout rank"
             cause = "timed out" if "Timed out" in str(error) else "connection lost"
             raise RolloutRankError(
-                f"{side} {peer}: {what} failed ({cause}: the process died, or hung longer than "
+                f"{who}: {what} failed ({cause}: the process died, or hung longer than "
                 f"dist.rollout_timeout_s={self.timeout_s:g}s)"
             ) from None
+
+    def _wait(self, post: Callable[[], Any], peer: int, what: str) -> None:
+        """Post a point-to-point operation (`post()` returns its work) and wait for it, bounded by the timeout."""
+        with self.failures(what, peer):
+            post().wait(timedelta(seconds=self.timeout_s))
 
     def send_object(self, obj: Any, dst: int, what: str) -> None:
         """Send a picklable `obj` to rank `dst` without waiting for it to be received (the previous send is
@@ -86,22 +98,23 @@ class RolloutLink:
         self.flush(dst, what)
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # (n,)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
-        self._pending = [
-            self.group.send([length], dst, _LENGTH_TAG),
-            self.group.send([payload], dst, _PAYLOAD_TAG),
-        ]
+        with self.failures(what, dst):
+            self._pending = [
+                self.group.send([length], dst, _LENGTH_TAG),
+                self.group.send([payload], dst, _PAYLOAD_TAG),
+            ]
 
     def flush(self, dst: int, what: str) -> None:
-        for work in self._pending:
-            self._wait(work, dst, what)
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for work in pending:
+            self._wait(lambda w=work: w, dst, what)
 
     def recv_object(self, src: int, what: str) -> Any:
         """The next object rank `src` sent; waits at most dist.rollout_timeout_s for each part."""
         length = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.group.recv([length], src, _LENGTH_TAG), src, what)
+        self._wait(lambda: self.group.recv([length], src, _LENGTH_TAG), src, what)
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._wait(self.group.recv([payload], src, _PAYLOAD_TAG), src, what)
+        self._wait(lambda: self.group.recv([payload], src, _PAYLOAD_TAG), src, what)
         return pickle.loads(payload.numpy().tobytes())
 
     def broadcast_object(self, obj: Any, what: str) -> Any:

@@ -237,7 +237,11 @@ class ProcessProducer:
         self._guarded(lambda: link.broadcast_object(start, "the run's start"))
         self._guarded(link.introduce)
         self.sync = WeightBroadcast(synced_parameters(run.model), link.weights_group)
-        self._guarded(lambda: self.sync.send(run.llm.policy_version))
+        self._guarded(lambda: self._send_weights("the weights' broadcast at the start"))
+
+    def _send_weights(self, what: str) -> SyncStats:
+        with self.link.failures(what):
+            return self.sync.send(self.run.llm.policy_version)
 
     def _guarded(self, fn: Any) -> Any:
         try:
@@ -261,7 +265,7 @@ class ProcessProducer:
 
     def update_done(self, step: int) -> None:
         """Broadcast the weights after `step`'s update to the rollout ranks."""
-        self.last_sync = self._guarded(lambda: self.sync.send(self.run.llm.policy_version))
+        self.last_sync = self._guarded(lambda: self._send_weights(f"the weights' broadcast after step {step}"))
         self.synced = step
 
     def exclusive(self) -> contextlib.AbstractContextManager[None]:
