@@ -1,6 +1,6 @@
 """GRPO step time: posttrain vs TRL's GRPOTrainer on one configuration, in one run.
 
-Both: the default model (SmolLM2-135M-Instruct, full fine-tuning, fp32), the same arithmetic prompts
+Both: the default model (SmolLM2-135M-Instruct, full fine-tuning), the same arithmetic prompts
 (`ArithmeticTask(seed=0).sample(8)` per step, in order), 8 prompts x 8 samples, 32 new tokens at most,
 temperature 1, beta 0 (no reference model), one optimizer step per rollout, AdamW at the same LR, the
 `grpo` loss (per-sequence token mean), the `numeric_match` reward. TRL runs offline from the local HF
@@ -17,7 +17,12 @@ zero are left out of the update, which does not change the weights) and with tha
 (`posttrain_full_s`, `speedup_full`: every sample through the update, as TRL does), so the
 ratio with the same work per step is reported too.
 
-    .venv/bin/python benchmarks/grpo_step.py [--steps 4] [--only posttrain|trl]
+Precision: posttrain runs `model.dtype` = --dtype (default `auto`, what a user gets: fp32 on a CPU without fast
+bf16; on one with AVX512-BF16 / AMX, bf16 rollouts and a bf16-autocast update over fp32 master weights); TRL runs
+fp32 (its CPU default), or bf16 autocast with --trl-bf16 (TRL's `bf16=True`; its generation then runs in bf16 too).
+The JSON names both (`posttrain_dtype`, `trl_dtype`).
+
+    .venv/bin/python benchmarks/grpo_step.py [--steps 4] [--only posttrain|trl] [--dtype auto|float32] [--trl-bf16]
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def prompt_batches(steps: int) -> list[list[dict]]:
     return [task.sample(PROMPTS) for _ in range(steps)]
 
 
-def setup_posttrain(out: Path, skip_zero_advantage: bool = True):
+def setup_posttrain(out: Path, skip_zero_advantage: bool = True, dtype: str = "auto"):
     from posttrain.config import load_config
     from posttrain.trainers.rl import setup_run
     from posttrain.trainers.rl.config import GRPOConfig
@@ -72,6 +77,7 @@ def setup_posttrain(out: Path, skip_zero_advantage: bool = True):
             f"out={out}",
             "save_final=false",
             f"train.skip_zero_advantage={str(skip_zero_advantage).lower()}",
+            f"model.dtype={dtype}",
         ],
     )
     return setup_run(cfg, "grpo")  # its ArithmeticTask(seed=0) draws the same prompts as prompt_batches()
@@ -93,7 +99,7 @@ def posttrain_step(run, times: list[float], cpu_times: list[float], label: str =
     )
 
 
-def run_trl(steps: int, out: Path, between_steps=None) -> tuple[list[float], list[float]]:  # noqa: ANN001
+def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tuple[list[float], list[float]]:  # noqa: ANN001
     """TRL's GRPOTrainer for `steps` steps; `between_steps()` runs after each step, outside its timing."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -143,7 +149,7 @@ def run_trl(steps: int, out: Path, between_steps=None) -> tuple[list[float], lis
         max_steps=steps,
         shuffle_dataset=False,
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -166,6 +172,14 @@ def run_trl(steps: int, out: Path, between_steps=None) -> tuple[list[float], lis
     return timer.times, timer.cpu_times
 
 
+def _posttrain_dtypes(run) -> str:  # noqa: ANN001
+    """What the run computes in: the engine's dtype, and the update's (autocast over the master weights)."""
+    autocast = run.parallel.compute_autocast
+    update = autocast[1] if autocast is not None else run.model.dtype
+    rollout = str(run.llm.compute_dtype).removeprefix("torch.")
+    return f"rollout {rollout}, update {str(update).removeprefix('torch.')}"
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -174,6 +188,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per framework (median over them; >= 3)")
     parser.add_argument("--only", choices=("posttrain", "trl"), default=None)
+    parser.add_argument("--dtype", choices=("auto", "float32"), default="auto", help="posttrain's model.dtype")
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (autocast), not fp32")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be >= 3 (the median of fewer is not a step time)")
@@ -183,9 +199,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         if args.only != "trl":
-            runs = {
-                label: setup_posttrain(Path(tmp) / label, skip_zero_advantage=label == "posttrain") for label in ours
-            }
+            runs = {label: setup_posttrain(Path(tmp) / label, label == "posttrain", args.dtype) for label in ours}
+            result["posttrain_dtype"] = _posttrain_dtypes(next(iter(runs.values())))
 
         def posttrain_steps() -> None:
             for label, run in runs.items():
@@ -196,7 +211,8 @@ def main() -> None:
                 posttrain_steps()
         else:
             # Alternate the frameworks (posttrain steps after each TRL step) so all see the same machine load.
-            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", posttrain_steps if runs else None)
+            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", posttrain_steps if runs else None, args.trl_bf16)
+            result["trl_dtype"] = "bfloat16 autocast" if args.trl_bf16 else "float32"
             result["trl_s"] = round(statistics.median(trl), 2)
             result["trl_steps_s"] = [round(t, 2) for t in trl]
             result["trl_cpu_s"] = round(statistics.median(trl_cpu), 2)

@@ -6,12 +6,18 @@ the runner's TorchFunctionMode (which sees ~3800 torch calls a token), checks an
 embedding and the rotary tables come from the modules; every layer and the final norm run in C, over the same
 kernels in the same order, so a decode step's hidden states are bit for bit the module path's.
 
-When: the runner's fp32 CPU forward with the native kernels (EngineConfig.cpu_kernels, native_decode_step), a step
-of at most MAX_ROWS new tokens, with every layer of a kind this step knows: a dense Llama-family decoder
-(grouped-query attention, optional q/k norms and q/k/v biases, SwiGLU; no sliding window, latent attention or
-experts) whose linear layers are plain fp32 `nn.Linear`s or int8 `QuantizedLinear`s on posttrain's int8 kernels
-(int8_linear.c, or q8_linear.c for the `q8_0` scheme).
-Anything else (LoRA wrappers, bf16 compute, long prompts, more rows) takes the module path.
+When: the runner's CPU forward over fp32 weights with the native kernels (EngineConfig.cpu_kernels,
+native_decode_step), a step of at most MAX_ROWS new tokens, with every layer of a kind this step knows: a dense
+Llama-family decoder (grouped-query attention, optional q/k norms and q/k/v biases, SwiGLU; no sliding window,
+latent attention or experts) whose linear layers are plain fp32 `nn.Linear`s or int8 `QuantizedLinear`s on
+posttrain's int8 kernels (int8_linear.c, or q8_linear.c for the `q8_0` scheme).
+Anything else (LoRA wrappers, long prompts, more rows) takes the module path.
+
+bf16 compute (EngineConfig.compute_dtype, bf16 over fp32 weights): the step runs the engine's bf16 copies of the
+`nn.Linear` weights (bf16_weights.py; taken through `Bf16Weights.copy_of`, so a copy an optimizer step made stale is
+remade before the step reads it) with bf16_linear.c, and writes and reads the bf16 K/V pool. Its linear layers sum
+in another order than oneDNN's bf16 GEMM, so a bf16 step is the module path's to within fp32 rounding before each
+output's rounding to bf16, not bit for bit (tested).
 
 A step of one new token per sequence attends with the module path's own plan: the result is bit for bit the module
 path's. A step with several new tokens per sequence (a speculative check: the last token and k drafts; a prompt of a
@@ -35,6 +41,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from posttrain import kernels
+from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.small_rows_linear import MAX_ROWS
 from posttrain.models.attention import Attention
 from posttrain.models.layers import SwiGLU
@@ -43,6 +50,7 @@ from posttrain.models.transformer import Transformer
 from posttrain.quant.linear import QuantizedLinear, native_int8_operands
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+BF16_WEIGHT = -1  # decode_step.c's DecodeLinear.group of a bf16 weight
 _PLAIN = (torch.Tensor, nn.Parameter)  # not a tensor subclass (DTensor shards, quantized wrappers): their own ops
 _GLOBAL_HOOKS = (module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks)  # nn.Module's, all modules
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -90,6 +98,7 @@ class _Step(ctypes.Structure):  # DecodeStep
         ("group_shared", _ptr),
         ("num_groups", _i64),
         ("max_members", _i64),
+        ("kv_bf16", _i64),
     ]
 
 
@@ -97,7 +106,7 @@ class _Step(ctypes.Structure):  # DecodeStep
 class _Table:
     layers: ctypes.Array  # (num_layers,) _Layer
     fingerprint: list[int]  # what it was built from: module ids and tensor data pointers, in a fixed order
-    keep: list[torch.Tensor]  # tensors derived for it (fp32 scales), kept alive while it points at them
+    keep: list[torch.Tensor]  # tensors derived for it (fp32 scales, bf16 copies), kept alive while it points at them
 
 
 def supports_model(model: nn.Module) -> bool:
@@ -118,20 +127,24 @@ def supports_model(model: nn.Module) -> bool:
 class NativeDecode:
     """Runs the runner's decode steps of up to MAX_ROWS sequences in one native call where it can."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, bf16_weights: Bf16Weights | None = None) -> None:
+        """`bf16_weights`: the runner's bf16 copies when the engine computes in bf16 over the fp32 weights."""
         self.model = model
+        self.bf16 = bf16_weights
         self._table: _Table | None = None
         self.steps = 0  # steps it ran (tests, stats)
 
     def can_run(self, input_ids: torch.Tensor, meta) -> bool:  # noqa: ANN001 (PagedAttentionMetadata)
-        """Whether this step is one the native step takes: pure decode, few rows, an fp32 pool the C kernels read."""
+        """Whether this step is one the native step takes: pure decode, few rows, a pool the C kernels read (fp32,
+        or bf16 when the engine computes in bf16)."""
         rows = input_ids.numel()
         if not (0 < rows <= MAX_ROWS and meta.native_kernels):
             return False
         if meta.backend not in (None, "cpu") or kernels.library() is None:
             return False
         cache = meta.kv_caches[0]
-        return cache.dtype == torch.float32 and cache.is_contiguous() and self._current_table(meta, rows) is not None
+        pool_dtype = torch.bfloat16 if self.bf16 is not None else torch.float32
+        return cache.dtype == pool_dtype and cache.is_contiguous() and self._current_table(meta, rows) is not None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
         """The final norm's hidden states (N, d) of the step, as `model.hidden_states` computes them."""
@@ -147,7 +160,8 @@ class NativeDecode:
             plan = one_query_per_token(meta)
         N, d, D = x.shape[0], cfg.hidden_size, cfg.head_dim
         q_size, kv_size, inner = cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.intermediate_size
-        scratch = torch.empty(N * (2 * d + 3 * q_size + 3 * kv_size + 3 * inner))  # decode_step.c carves it
+        wide = max(d, q_size, inner)  # the widest input of a linear layer (a bf16 layer rounds it into scratch)
+        scratch = torch.empty(N * (2 * d + 3 * q_size + 4 * kv_size + 3 * inner + wide))  # decode_step.c carves it
         out = torch.empty_like(x)
         slots = meta.slot_mapping.contiguous()
         step = _Step(
@@ -172,6 +186,7 @@ class NativeDecode:
             plan.group_shared.data_ptr(),
             plan.group_shared.numel(),
             plan.max_members,
+            int(self.bf16 is not None),
         )
         kernels.library().decode_layers(
             ctypes.addressof(table.layers),
@@ -223,6 +238,8 @@ class NativeDecode:
                     if not all(t is None or type(t) in _PLAIN for t in tensors):
                         return None
                     prints.extend(t.data_ptr() if t is not None else 0 for t in tensors)
+                    if self.bf16 is not None:  # the copy, remade here if the weight moved since it was made
+                        prints.append(self.bf16.copy_of(linear._parameters["weight"]).data_ptr())
                 else:  # frozen codes and scales: a reload writes them in place too, and the table holds derived scales
                     for t in linear._buffers.values():
                         prints.extend((t.data_ptr(), t._version) if t is not None else (0, 0))
@@ -241,10 +258,10 @@ class NativeDecode:
         for entry, layer, cache in zip(layers, self.model.layers, meta.kv_caches):
             attention, mlp = layer.self_attn, layer.mlp
             for field, module in zip(("q", "k", "v", "o"), (getattr(attention, n) for n in ATTENTION_LINEARS)):
-                if not _fill_linear(getattr(entry, field), module, probe, keep):
+                if not _fill_linear(getattr(entry, field), module, probe, keep, self.bf16):
                     return None
             for field, module in zip(("gate", "up", "down"), (getattr(mlp, n) for n in MLP_LINEARS)):
-                if not _fill_linear(getattr(entry, field), module, probe, keep):
+                if not _fill_linear(getattr(entry, field), module, probe, keep, self.bf16):
                     return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
             if any(norm is not None and not _fp32_vector(norm.weight) for norm in norms):
@@ -258,9 +275,11 @@ class NativeDecode:
         return _Table(layers, fingerprint, keep)
 
 
-def _fill_linear(entry: _Linear, module: nn.Module, probe: torch.Tensor, keep: list[torch.Tensor]) -> bool:
-    """Point `entry` at an fp32 nn.Linear's weight or an int8 layer's codes and scales (and which int8 kernel the
-    layer runs); False for any other."""
+def _fill_linear(
+    entry: _Linear, module: nn.Module, probe: torch.Tensor, keep: list[torch.Tensor], bf16: Bf16Weights | None
+) -> bool:
+    """Point `entry` at an fp32 nn.Linear's weight (or its bf16 copy, in bf16 compute) or an int8 layer's codes and
+    scales (and which int8 kernel the layer runs); False for any other."""
     if type(module) not in (nn.Linear, QuantizedLinear):
         return False
     bias = module.bias
@@ -272,6 +291,10 @@ def _fill_linear(entry: _Linear, module: nn.Module, probe: torch.Tensor, keep: l
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return False
         entry.weight, entry.scales, entry.group, entry.quantize_input = weight.data_ptr(), None, 0, 0
+        if bf16 is not None:
+            copy = bf16.copy_of(weight)
+            keep.append(copy)
+            entry.weight, entry.group = copy.data_ptr(), BF16_WEIGHT
         entry.out_features, entry.in_features = weight.shape
         return True
     operands = native_int8_operands(module, _probe(probe, module))

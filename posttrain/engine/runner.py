@@ -101,15 +101,16 @@ class ModelRunner:
         # In fp32 on CPU with the native kernels: a few input rows through their matrix-vector kernel
         # (posttrain/engine/small_rows_linear.py).
         self.small_rows_native = self._small_rows_native()
-        # Under those same conditions: decode steps of a few sequences through one native call for the whole
-        # decoder (posttrain/engine/native_decode.py), where the model's structure allows it.
-        self.native_decode = (
-            NativeDecode(model)
-            if self.small_rows_native and config.native_decode_step and native_decode.supports_model(model)
-            else None
-        )
         # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py).
         self.bf16_weights = Bf16Weights() if self.compute_dtype != self.dtype else None
+        # fp32 weights on CPU with the native kernels, computed in fp32 or bf16: decode steps of a few sequences
+        # through one native call for the whole decoder (posttrain/engine/native_decode.py), where the model's
+        # structure allows it.
+        self.native_decode = (
+            NativeDecode(model, self.bf16_weights)
+            if self._native_kernels_over_fp32() and config.native_decode_step and native_decode.supports_model(model)
+            else None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -302,8 +303,12 @@ class ModelRunner:
         return self.packed_weights.scope() if self.packed_weights is not None else nullcontext()
 
     def _small_rows_native(self) -> bool:
-        fp32 = self.dtype == torch.float32 and self.compute_dtype == torch.float32
-        return fp32 and self.device.type == "cpu" and self.config.cpu_kernels and kernels.library() is not None
+        return self.compute_dtype == torch.float32 and self._native_kernels_over_fp32()
+
+    def _native_kernels_over_fp32(self) -> bool:
+        """fp32 weights on CPU with the native kernels (computed in fp32, or in bf16 through bf16 copies)."""
+        cpu = self.device.type == "cpu" and self.config.cpu_kernels
+        return self.dtype == torch.float32 and cpu and kernels.library() is not None
 
     def _fp32_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         out = small_rows_linear(x, weight, bias)

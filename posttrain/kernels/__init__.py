@@ -41,6 +41,7 @@ SOURCES = [
     HERE / "int8_linear.c",
     HERE / "q8_linear.c",
     HERE / "f32_linear.c",
+    HERE / "bf16_linear.c",
     HERE / "decode_step.c",
 ]
 HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h"]
@@ -92,6 +93,8 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "int8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
     "q8_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "f32_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "bf16_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
+    "round_to_bf16": [_ptr, _ptr, _i64],
     "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
 }
 
@@ -276,6 +279,28 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
     y = torch.empty(M, N, dtype=torch.float32)
     library().q8_linear(
         x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads()
+    )
+    return y
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) fp32 rounded to bf16, times weight (N, K) bf16, summed in fp32, rounded to bf16, as fp32 (M, N),
+    plus an fp32 bias (N,) (bf16_linear.c: the native decode step's bf16 layer)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, weight.shape[0], dtype=torch.float32)
+    x16 = torch.empty(M, K, dtype=torch.bfloat16)  # the kernel's scratch for the rounded inputs
+    bias = bias.contiguous() if bias is not None else None
+    library().bf16_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        M,
+        weight.shape[0],
+        K,
+        x16.data_ptr(),
+        torch.get_num_threads(),
     )
     return y
 

@@ -19,17 +19,28 @@
  *     x = x + (silu(h Wg^T) * h Wu^T) Wd^T
  * then out = rms_norm(x) with the final norm.
  *
- * A linear layer is fp32 (group 0), weight-only int8 (codes with `group` codes per scale, >= K: one per row) or
- * q8_0 (int8 codes and activations by 32: q8_linear.c), with an fp32 bias or none; an int8 layer's bias is added
- * after its product, as QuantizedLinear does.
+ * A linear layer is fp32 (group 0), weight-only int8 (codes with `group` codes per scale, >= K: one per row),
+ * q8_0 (int8 codes and activations by 32: q8_linear.c) or bf16 (group BF16_WEIGHT: the engine's bf16 copy of an
+ * fp32 weight, bf16_linear.c), with an fp32 bias or none; an int8 layer's bias is added after its product, as
+ * QuantizedLinear does.
+ *
+ * The engine's bf16 compute (kv_bf16): the K/V pool is bf16, so k and v are rounded to bf16 (round to nearest
+ * even, as the module path's cast) before they are written, and the attention reads the bf16 pool. The linear
+ * layers' sums are then in another order than oneDNN's bf16 GEMM (within fp32 rounding of it, before each output's
+ * rounding to bf16), so a bf16 step is close to the module path's, not bit for bit.
  */
 
 #include <stddef.h>
 #include <stdint.h>
 
+#define BF16_WEIGHT (-1) /* DecodeLinear.group of a bf16 weight */
+
 /* The kernels this step chains (the other sources of the library). */
 void f32_linear(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
                 int threads);
+void bf16_linear(const float* x, const uint16_t* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                 uint16_t* x16, int threads);
+void round_to_bf16(const float* x, uint16_t* out, int64_t n);
 void int8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                  int64_t group, int threads);
 void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
@@ -47,13 +58,18 @@ void paged_decode_attention(const float* q, const float* cache, float* out, int6
                             const int64_t* ctx, const int64_t* rows, const int64_t* group_starts,
                             const int64_t* group_shared, int64_t num_groups, int64_t max_members, float scale,
                             int threads);
+void paged_decode_attention_bf16(const float* q, const uint16_t* cache, float* out, int64_t num_blocks, int64_t bs,
+                                 int64_t hkv, int64_t group, int64_t d, const int64_t* tables, int64_t width,
+                                 const int64_t* ctx, const int64_t* rows, const int64_t* group_starts,
+                                 const int64_t* group_shared, int64_t num_groups, int64_t max_members, float scale,
+                                 int threads);
 
 typedef struct {
-    const void* weight;  /* fp32 (N, K), or int8 codes (N, K) */
+    const void* weight;  /* fp32 (N, K), int8 codes (N, K) or bf16 (N, K) */
     const float* scales; /* int8: (N, ceil(K / group)) fp32; NULL for fp32 */
     const float* bias;   /* (N,) fp32 or NULL */
     int64_t out_features, in_features;
-    int64_t group;          /* 0: fp32 weight; else int8 codes per scale along a row */
+    int64_t group;          /* 0: fp32 weight; BF16_WEIGHT: bf16; else int8 codes per scale along a row */
     int64_t quantize_input; /* int8: 1 for q8_linear (activations rounded to int8 by 32), 0 for int8_linear */
 } DecodeLinear;
 
@@ -63,7 +79,7 @@ typedef struct {
     const float* q_norm;              /* (D,) or NULL */
     const float* k_norm;              /* (D,) or NULL */
     DecodeLinear q, k, v, o, gate, up, down;
-    float* kv_cache; /* (2, num_blocks, block_size, Hkv, D) fp32 */
+    void* kv_cache; /* (2, num_blocks, block_size, Hkv, D) fp32, or bf16 with DecodeStep.kv_bf16 */
 } DecodeLayer;
 
 typedef struct {
@@ -81,13 +97,18 @@ typedef struct {
     const int64_t* group_starts; /* (G + 1,) */
     const int64_t* group_shared; /* (G,) */
     int64_t num_groups, max_members;
+    int64_t kv_bf16; /* 1: the pools are bf16 (the engine's bf16 compute) */
 } DecodeStep;
 
-/* y (M, N) = x (M, K) through one linear layer. */
-static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, int threads) {
+/* y (M, N) = x (M, K) through one linear layer; x16 (M, K) scratch for a bf16 layer's rounded inputs. */
+static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, uint16_t* x16, int threads) {
     const int64_t N = l->out_features, K = l->in_features;
     if (l->group == 0) {
         f32_linear(x, (const float*)l->weight, l->bias, y, M, N, K, threads);
+        return;
+    }
+    if (l->group == BF16_WEIGHT) {
+        bf16_linear(x, (const uint16_t*)l->weight, l->bias, y, M, N, K, x16, threads);
         return;
     }
     if (l->quantize_input)
@@ -100,8 +121,8 @@ static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, i
 }
 
 /* x (M, d): the step's embeddings in, the residual stream after the last layer out; out (M, d): the final
- * norm's output (the hidden states the LM head projects). scratch: M * (2 d + 3 H*D + 3 Hkv*D + 3 I) floats,
- * carved below (posttrain/engine/native_decode.py allocates it). */
+ * norm's output (the hidden states the LM head projects). scratch: M * (2 d + 3 H*D + 4 Hkv*D + 3 I + W) floats
+ * with W = max(d, H*D, I), carved below (posttrain/engine/native_decode.py allocates it). */
 void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeStep* s, float* x, float* out,
                    const float* final_norm, float* scratch, int threads) {
     const int64_t M = s->rows, d = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
@@ -117,13 +138,16 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSt
     float* up = gate + M * I;
     float* act = up + M * I;
     float* delta = act + M * I; /* (M, d) the output projection, then the MLP's */
+    uint16_t* kv16 = (uint16_t*)(delta + M * d);         /* (2, M, Hkv*D) bf16: k and v for a bf16 pool */
+    uint16_t* x16 = (uint16_t*)(delta + M * d + M * kv_size); /* (M, <= W) bf16: a bf16 layer's inputs */
+    const int64_t num_slots = s->num_blocks * s->block_size;
     for (int64_t i = 0; i < num_layers; i++) {
         const DecodeLayer* L = layers + i;
         float *qa = q, *qb = q_other, *ka = k, *kb = k_other, *swap;
         rms_norm(x, L->input_norm, h, M, d, s->eps, threads);
-        linear(&L->q, h, qa, M, threads);
-        linear(&L->k, h, ka, M, threads);
-        linear(&L->v, h, v, M, threads);
+        linear(&L->q, h, qa, M, x16, threads);
+        linear(&L->k, h, ka, M, x16, threads);
+        linear(&L->v, h, v, M, x16, threads);
         if (L->q_norm != NULL) { /* Qwen3: each head of q and k normed before the rotary embedding */
             rms_norm(qa, L->q_norm, qb, M * H, D, s->eps, threads);
             rms_norm(ka, L->k_norm, kb, M * Hkv, D, s->eps, threads);
@@ -132,17 +156,28 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSt
         }
         rotary(qa, s->cos, s->sin, qb, M, H, D, threads);
         rotary(ka, s->cos, s->sin, kb, M, Hkv, D, threads);
-        paged_write_kv((char*)L->kv_cache, (const char*)kb, (const char*)v, s->slots, M, s->num_blocks * s->block_size,
-                       kv_size * (int64_t)sizeof(float), threads);
-        paged_decode_attention(qb, L->kv_cache, attended, s->num_blocks, s->block_size, Hkv, H / Hkv, D, s->tables,
-                               s->width, s->context_lens, s->seq_rows, s->group_starts, s->group_shared,
-                               s->num_groups, s->max_members, s->scale, threads);
-        linear(&L->o, attended, delta, M, threads);
+        if (s->kv_bf16) {
+            round_to_bf16(kb, kv16, M * kv_size);
+            round_to_bf16(v, kv16 + M * kv_size, M * kv_size);
+            paged_write_kv((char*)L->kv_cache, (const char*)kv16, (const char*)(kv16 + M * kv_size), s->slots, M,
+                           num_slots, kv_size * (int64_t)sizeof(uint16_t), threads);
+            paged_decode_attention_bf16(qb, (const uint16_t*)L->kv_cache, attended, s->num_blocks, s->block_size, Hkv,
+                                        H / Hkv, D, s->tables, s->width, s->context_lens, s->seq_rows,
+                                        s->group_starts, s->group_shared, s->num_groups, s->max_members, s->scale,
+                                        threads);
+        } else {
+            paged_write_kv((char*)L->kv_cache, (const char*)kb, (const char*)v, s->slots, M, num_slots,
+                           kv_size * (int64_t)sizeof(float), threads);
+            paged_decode_attention(qb, (const float*)L->kv_cache, attended, s->num_blocks, s->block_size, Hkv,
+                                   H / Hkv, D, s->tables, s->width, s->context_lens, s->seq_rows, s->group_starts,
+                                   s->group_shared, s->num_groups, s->max_members, s->scale, threads);
+        }
+        linear(&L->o, attended, delta, M, x16, threads);
         add_rms_norm(x, delta, L->post_attention_norm, x, h, M, d, s->eps, threads);
-        linear(&L->gate, h, gate, M, threads);
-        linear(&L->up, h, up, M, threads);
+        linear(&L->gate, h, gate, M, x16, threads);
+        linear(&L->up, h, up, M, x16, threads);
         silu_mul(gate, up, act, M * I, threads);
-        linear(&L->down, act, delta, M, threads);
+        linear(&L->down, act, delta, M, x16, threads);
         for (int64_t j = 0; j < M * d; j++) x[j] += delta[j];
     }
     rms_norm(x, final_norm, out, M, d, s->eps, threads);

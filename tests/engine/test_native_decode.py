@@ -180,7 +180,8 @@ def test_models_it_does_not_compute_are_refused_up_front() -> None:
     assert supports_model(tiny_model())
     windowed = Transformer(dataclasses.replace(tiny_model().config, sliding_window=8))
     assert not supports_model(windowed)
-    assert make_llm(tiny_model(), compute_dtype="bfloat16").engine.runner.native_decode is None
+    assert make_llm(tiny_model().to(torch.bfloat16)).engine.runner.native_decode is None  # bf16 weights
+    assert make_llm(tiny_model(), compute_dtype="bfloat16").engine.runner.native_decode is not None  # bf16 copies
     assert make_llm(tiny_model(), cpu_kernels=False).engine.runner.native_decode is None
 
 

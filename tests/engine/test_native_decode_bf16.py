@@ -1,0 +1,87 @@
+"""The native decode step in the engine's bf16 compute (bf16_linear.c, the bf16 K/V pool in decode_step.c).
+
+Its linear layers are oneDNN's bf16 GEMM (what the module path runs) up to the order of each fp32 sum: an output
+either equals the GEMM's or is the bf16 number next to it, where the two sums fall on either side of a rounding
+boundary. Through a model those flips compound like any bf16 reordering, so the engine-level checks bound the
+logprobs, not bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain import kernels
+from posttrain.engine import SamplingParams
+from tests.engine.kernel_builds import KERNEL_MARCHES, forget_kernels, use_kernels_built_for
+from tests.engine.test_native_decode import generate, variant
+from tests.engine.tiny import make_llm
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
+
+
+@pytest.fixture(params=KERNEL_MARCHES)
+def kernel_march(request, monkeypatch):
+    """AVX512-BF16's vdpbf16ps where this CPU has it (native), and the widened fp32 products of the AVX2 build."""
+    use_kernels_built_for(request.param, monkeypatch)
+    yield request.param
+    forget_kernels()
+
+
+def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 numbers lie between a and b, both bf16 values held in fp32 (the bit patterns' distance)."""
+    as_int = lambda t: t.bfloat16().view(torch.int16).int()  # noqa: E731
+    ia, ib = as_int(a), as_int(b)
+    ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude -> a monotone integer line
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return (ia - ib).abs()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("shape", [(576, 576), (96, 1536), (7, 40), (9, 33)])  # a tail past the 32 / 8 steps too
+def test_bf16_kernel_is_the_bf16_gemm_to_one_rounding_step(kernel_march, rows, shape):
+    torch.manual_seed(rows)
+    N, K = shape
+    x, weight, bias = torch.randn(rows, K), torch.randn(N, K).bfloat16(), torch.randn(N)
+    want = torch.nn.functional.linear(x.bfloat16(), weight).float()  # (rows, N) the module path's product
+    got = kernels.bf16_linear(x, weight)
+    assert torch.equal(got, got.bfloat16().float())  # each output rounded to bf16, as the GEMM's
+    apart = bf16_steps_apart(got, want)
+    assert apart.max() <= 1
+    # A flip needs the two fp32 sums on either side of a rounding boundary: ~K ulp(fp32) of reorder against a bf16
+    # step 2^16 fp32 ulps wide. Rounding the inputs any other way than to nearest even flips most outputs.
+    assert apart.float().mean() <= 0.01
+    assert torch.equal(kernels.bf16_linear(x, weight, bias), got + bias)  # the bias added after, in fp32
+
+
+def test_bf16_engine_takes_the_native_step_close_to_its_module_path():
+    """Prompt logprobs through two layers of the tiny model (a short prompt runs in the native step too): within
+    0.05 of the module path's bf16, where bf16 itself moves them by ~1e-2 from fp32 and a step that read the pool
+    wrongly or skipped a layer's rounding of K/V would move them by ~1e-1 or more."""
+    model = variant("qwen3")
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    native_llm = make_llm(model, compute_dtype="bfloat16")
+    native = native_llm.generate(["9:;<=>?"], sp)[0].prompt_logprobs
+    runner = native_llm.engine.runner
+    assert runner.native_decode.steps == 1 and runner.kv_caches[0].dtype == torch.bfloat16
+    plain = make_llm(model, compute_dtype="bfloat16", native_decode_step=False).generate(["9:;<=>?"], sp)
+    fp32 = make_llm(model).generate(["9:;<=>?"], sp)[0].prompt_logprobs
+    native, plain, fp32 = (torch.tensor(lp[1:]) for lp in (native, plain[0].prompt_logprobs, fp32))
+    torch.testing.assert_close(native, plain, atol=0.05, rtol=0)
+    assert (native - fp32).abs().max() > 0  # it computed in bf16, not fp32
+
+
+def test_bf16_decode_steps_run_natively_and_follow_an_in_place_update():
+    """Decode steps of 6 sequences go through the native step over the bf16 copies; an optimizer-style in-place step
+    makes the copies stale: the next step reads fresh ones (the outputs move as the module path's do)."""
+    model = variant("llama")
+    llm = make_llm(model, compute_dtype="bfloat16")
+    before = generate(llm, temperature=0.0)
+    steps = llm.engine.runner.native_decode.steps
+    assert steps >= 10
+    made = llm.engine.runner.bf16_weights.num_copies_made
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(-3.0)
+    after = generate(llm, temperature=0.0)  # no weights_updated(): the version counter alone must be seen
+    assert llm.engine.runner.native_decode.steps >= steps + 10
+    assert llm.engine.runner.bf16_weights.num_copies_made == made + 1  # only the weight that moved
+    assert after != before
