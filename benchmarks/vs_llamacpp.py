@@ -15,7 +15,7 @@ Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up
   (examples/data) x n samples x T tokens at temperature 1, EOS ignored (S = P x n; generated tokens / wall time).
 - batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy.
 
-Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's `dtype: auto` compute (fp32 on a CPU
+Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's fp32 weights at `compute_dtype="auto"` (fp32 on a CPU
 without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with `quant="q8_0"` (the
 decoder and the LM head in int8, as the Q8_0 file rounds both).
 `--speculative K` also runs posttrain's batch 1 with prompt-lookup (n-gram) drafts of K tokens on the same module
@@ -127,12 +127,20 @@ def load_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def run_posttrain(hf_dir: str, precision: str, workload: Workload, speculative: int = 0) -> dict:
     from posttrain.engine import LLM, SamplingParams
-    from posttrain.hardware import auto_dtype
 
-    dtype = {"f32": "float32", "bf16": auto_dtype("cpu").dtype, "q8_0": "float32"}[precision]
+    # fp32 weights everywhere (what `LLM(model)` loads on CPU); BF16 runs the engine's compute_dtype=auto over
+    # them, as a user gets it: bf16 weight copies and a bf16 KV pool on a CPU with fast bf16, fp32 elsewhere.
+    dtype, compute = "float32", ("auto" if precision == "bf16" else "float32")
     quant = "q8_0" if precision == "q8_0" else None
     blocks = -(-workload.sequences * (PROMPT_TOKENS * 3 + workload.max_tokens) // 16)  # prompts up to ~3x -npp
-    llm = LLM(hf_dir, dtype=dtype, quant=quant, num_kv_blocks=blocks, max_num_seqs=max(workload.sequences, 1))
+    llm = LLM(
+        hf_dir,
+        dtype=dtype,
+        compute_dtype=compute,
+        quant=quant,
+        num_kv_blocks=blocks,
+        max_num_seqs=max(workload.sequences, 1),
+    )
     prompts = load_prompts(llm.tokenizer, workload.prompts)
     llm.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.weights_updated()  # an empty prefix cache
@@ -145,19 +153,20 @@ def run_posttrain(hf_dir: str, precision: str, workload: Workload, speculative: 
     start = time.perf_counter()
     plain = llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids
     batch1 = len(plain) / (time.perf_counter() - start)
-    result = {"batched": batched, "batch1": batch1, "dtype": dtype, "quant": quant}
+    computed = str(llm.engine.runner.compute_dtype).removeprefix("torch.")
+    result = {"batched": batched, "batch1": batch1, "dtype": computed, "quant": quant}
     if speculative:
-        result.update(speculative_batch1(llm, dtype, prompts[0], greedy, speculative, plain))
+        result.update(speculative_batch1(llm, compute, prompts[0], greedy, speculative, plain))
     return result
 
 
-def speculative_batch1(plain_llm, dtype: str, prompt: list[int], greedy, num_tokens: int, plain: list[int]) -> dict:  # noqa: ANN001
+def speculative_batch1(plain_llm, compute: str, prompt: list[int], greedy, num_tokens: int, plain: list[int]) -> dict:  # noqa: ANN001
     """Batch 1 again with prompt-lookup (n-gram) drafts of `num_tokens` over the same (already quantized) module:
     tokens/s, the acceptance rate, and whether the greedy output is the plain one (it must be)."""
     from posttrain.engine import LLM, SamplingParams
 
     spec = {"method": "ngram", "num_tokens": num_tokens}
-    llm = LLM(plain_llm.engine.model, plain_llm.tokenizer, dtype=dtype, max_num_seqs=1, speculative=spec)
+    llm = LLM(plain_llm.engine.model, plain_llm.tokenizer, compute_dtype=compute, max_num_seqs=1, speculative=spec)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     before = llm.engine.stats()
     start = time.perf_counter()
