@@ -12,12 +12,15 @@ from HF_DIR with DIR/convert_hf_to_gguf.py.
 Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up excluded on both:
 - batched: llama.cpp's `llama-batched-bench -npp 95 -ntg T -npl 1,S -pps` (S parallel sequences sharing one
   95-token prompt, T new tokens each; its decode tokens/s, S_TG); posttrain's engine on P GSM8K prompts
-  (examples/data) x n samples x T tokens at temperature 1, EOS ignored (S = P x n; generated tokens / wall time).
+  (examples/data) x n samples x T tokens at temperature 1, EOS ignored (S = P x n).
 - batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy.
+Both sides count decode only: S_TG leaves out the prompt's processing, and posttrain's figure is the tokens after
+each sequence's first over their time (a run with max_tokens=1, the prefill and the first token, is timed apart
+and taken out; `decode_rate`).
 
-Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's fp32 weights at `compute_dtype="auto"` (fp32 on a CPU
-without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with `quant="q8_0"` (the
-decoder and the LM head in int8, as the Q8_0 file rounds both).
+Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's fp32 weights at `compute_dtype="auto"`
+(fp32 on a CPU without fast bf16, bf16 where it is fast: the JSON names it), Q8_0 against posttrain with
+`quant="q8_0"` (the decoder and the LM head in int8, as the Q8_0 file rounds both).
 `--speculative K` also runs posttrain's batch 1 with prompt-lookup (n-gram) drafts of K tokens on the same module
 (`batch1_speculative`, its acceptance rate, and `batch1_speculative_ratio` against llama.cpp's plain batch 1).
 Prints progress to stderr and one JSON object as the last line of stdout: per precision both sides' figures and
@@ -27,6 +30,7 @@ Prints progress to stderr and one JSON object as the last line of stdout: per pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -143,21 +147,31 @@ def run_posttrain(hf_dir: str, precision: str, workload: Workload, speculative: 
     )
     prompts = load_prompts(llm.tokenizer, workload.prompts)
     llm.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
-    llm.engine.weights_updated()  # an empty prefix cache
     sampled = SamplingParams(n=workload.n, temperature=1.0, max_tokens=workload.max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, sampled)
-    batched = sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
+    batched, _ = decode_rate(llm, prompts, sampled)
     greedy = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up at batch 1
-    start = time.perf_counter()
-    plain = llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids
-    batch1 = len(plain) / (time.perf_counter() - start)
+    batch1, outputs = decode_rate(llm, prompts[:1], greedy)
+    plain = outputs[0].outputs[0].token_ids
     computed = str(llm.engine.runner.compute_dtype).removeprefix("torch.")
     result = {"batched": batched, "batch1": batch1, "dtype": computed, "quant": quant}
     if speculative:
         result.update(speculative_batch1(llm, compute, prompts[0], greedy, speculative, plain))
     return result
+
+
+def decode_rate(llm, prompts: list[list[int]], params) -> tuple[float, list]:  # noqa: ANN001 (LLM, SamplingParams)
+    """Decode tokens/s as llama-batched-bench's S_TG counts them, and the outputs: the run with max_tokens=1 (the
+    prompts' prefill and each sequence's first token, sampled from it) is timed too and taken out of the full run's
+    time and tokens. Each run starts from an empty prefix cache."""
+    runs = []
+    for max_tokens in (1, params.max_tokens):
+        llm.engine.weights_updated()  # an empty prefix cache: both runs prefill the prompts
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, dataclasses.replace(params, max_tokens=max_tokens))
+        runs.append((time.perf_counter() - start, sum(len(c.token_ids) for o in outputs for c in o.outputs)))
+    (first_s, first_tokens), (all_s, all_tokens) = runs
+    return (all_tokens - first_tokens) / (all_s - first_s), outputs
 
 
 def speculative_batch1(plain_llm, compute: str, prompt: list[int], greedy, num_tokens: int, plain: list[int]) -> dict:  # noqa: ANN001
@@ -169,14 +183,13 @@ def speculative_batch1(plain_llm, compute: str, prompt: list[int], greedy, num_t
     llm = LLM(plain_llm.engine.model, plain_llm.tokenizer, compute_dtype=compute, max_num_seqs=1, speculative=spec)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     before = llm.engine.stats()
-    start = time.perf_counter()
-    tokens = llm.generate([prompt], greedy)[0].outputs[0].token_ids
-    seconds = time.perf_counter() - start
+    rate, outputs = decode_rate(llm, [prompt], greedy)
+    tokens = outputs[0].outputs[0].token_ids
     after = llm.engine.stats()
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     return {
-        "batch1_speculative": len(tokens) / seconds,
+        "batch1_speculative": rate,
         "speculative_acceptance": round(accepted / drafted, 3) if drafted else 0.0,
         "speculative_identical": list(tokens) == list(plain),
     }

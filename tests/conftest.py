@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # lets tests import `tests.hf_oracle`
     sys.path.insert(0, str(ROOT))
+
+from tests.engine.kernel_builds import KERNEL_MARCHES, forget_kernels, use_kernels_built_for  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -48,3 +51,12 @@ def default_model_dir() -> Path:
     from posttrain.models.hub import DEFAULT_MODEL, resolve_model_path
 
     return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(params=KERNEL_MARCHES)
+def kernel_march(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each test that takes it runs against the native kernels built for each of KERNEL_MARCHES
+    (tests/engine/kernel_builds.py): this CPU's own instruction set and AVX2's."""
+    use_kernels_built_for(request.param, monkeypatch)
+    yield request.param
+    forget_kernels()

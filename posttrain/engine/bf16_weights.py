@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from posttrain import kernels
 from posttrain.engine.linear_mode import LinearMode
 from posttrain.errors import PosttrainError
 from posttrain.hardware import auto_dtype
@@ -80,8 +81,12 @@ class _Copy:
 class Bf16Weights:
     """bf16 copies of the fp32 weights that F.linear meets inside `scope()`, keyed by the weight tensor."""
 
-    def __init__(self) -> None:
+    def __init__(self, native_rows: int = 0) -> None:
+        """`native_rows`: inputs of at most this many rows go through posttrain's bf16 matrix-vector kernel
+        (bf16_linear.c, all threads; oneDNN runs such a product on one), more through oneDNN's GEMM; 0: always
+        oneDNN. The two differ in the order of each fp32 sum only, before the output's rounding to bf16."""
         self._copies: dict[int, _Copy] = {}
+        self.native_rows = native_rows
         self.num_copies_made = 0  # copies made so far, the remade ones included (tests and stats)
 
     def clear(self) -> None:
@@ -117,6 +122,10 @@ class Bf16Weights:
         """F.linear(x, weight, bias) in bf16 with an fp32 result, or None where this call does not qualify."""
         if not _qualifies(x, weight):
             return None
+        rows = x.numel() // x.shape[-1]
+        if 0 < rows <= self.native_rows and (bias is None or bias.dtype == torch.float32):
+            out = kernels.bf16_linear(x.reshape(rows, x.shape[-1]), self.copy_of(weight), bias)  # (rows, N)
+            return out.view(*x.shape[:-1], weight.shape[0])
         out = F.linear(x.to(torch.bfloat16), self.copy_of(weight)).float()  # (..., N)
         return out if bias is None else out.add_(bias)
 

@@ -25,7 +25,7 @@ from posttrain.engine.prompt_logprobs import PromptLogprobChunk, split_by_sequen
 from posttrain.engine.sampler import SampleOutput, SamplingRow, SamplingWorkspace, sample
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
-from posttrain.engine.small_rows_linear import small_rows_linear
+from posttrain.engine.small_rows_linear import MAX_ROWS, small_rows_linear
 from posttrain.errors import PosttrainError
 from posttrain.kernels.fused import fused_scope
 from posttrain.models.attention import PagedAttentionMetadata
@@ -102,7 +102,9 @@ class ModelRunner:
         # (posttrain/engine/small_rows_linear.py).
         self.small_rows_native = self._small_rows_native()
         # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py).
-        self.bf16_weights = Bf16Weights() if self.compute_dtype != self.dtype else None
+        # A few rows (batch-1 and small-batch decode, the LM head after the native step) through bf16_linear.c.
+        native_rows = MAX_ROWS if self._native_kernels_over_fp32() else 0
+        self.bf16_weights = Bf16Weights(native_rows) if self.compute_dtype != self.dtype else None
         # fp32 weights on CPU with the native kernels, computed in fp32 or bf16: decode steps of a few sequences
         # through one native call for the whole decoder (posttrain/engine/native_decode.py), where the model's
         # structure allows it.

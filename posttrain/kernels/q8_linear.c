@@ -19,6 +19,13 @@
  * code of -128 too) and |a| <= 127 so the negation cannot overflow; each pair sums to at most 2 * 128 * 127 =
  * 32512 < 32767, so the int16 step never saturates. _mm256_madd_epi16 then widens to 8 int32 sums.
  *
+ * With AVX512-VNNI (`tile_vnni`) two groups go through one vpdpbusd: 64 products summed four to an int32 lane,
+ * lanes 0-7 the first group's and 8-15 the second's. Its first operand is unsigned, so each code goes in as
+ * code + 128 (the sign bit flipped: exact) against the signed activations, and the extra 128 * sum_k a[m, k] of
+ * each group (an exact int32, the same for every weight row) is subtracted up front: the accumulator starts at
+ * -128 * that sum in lane 0 of the group. Each lane's sum is exact (at most 4 * 255 * 127 + 128 * 32 * 127 in
+ * magnitude), and the rest is as above: the lanes converted to float, times d[m, g] * scale[n, g], summed.
+ *
  * x (M, K) fp32, codes (N, K) int8, scales (N, K / 32) fp32, y (M, N) fp32; all contiguous; K a multiple of 32
  * (checked by the caller). OpenMP splits the output rows over `threads` in blocks of ROW_BLOCK.
  */
@@ -26,8 +33,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512VNNI__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_VNNI 1
 #endif
 
 #include "vec_math.h"
@@ -38,15 +48,21 @@
  * a pattern the hardware prefetcher follows poorly). */
 #define PREFETCH_BLOCKS 8
 
-/* x (M, K) -> codes a (M, K) and scales d (M, K / GROUP), as the top comment defines them. */
-static void quantize_groups(const float* x, int8_t* a, float* d, int64_t M, int64_t K) {
+/* x (M, K) -> codes a (M, K), scales d (M, K / GROUP) as the top comment defines them, and each group's code sum
+ * (M, K / GROUP) (the VNNI tile's correction). */
+static void quantize_groups(const float* x, int8_t* a, float* d, int32_t* sums, int64_t M, int64_t K) {
     for (int64_t g = 0; g < M * (K / GROUP); g++) {
         const float* xg = x + g * GROUP;
         float amax = 0.0f;
         for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
         const float scale = fmaxf(amax / 127.0f, 1e-12f);
-        for (int i = 0; i < GROUP; i++) a[g * GROUP + i] = (int8_t)nearbyintf(xg[i] / scale);
+        int32_t sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            a[g * GROUP + i] = (int8_t)nearbyintf(xg[i] / scale);
+            sum += a[g * GROUP + i];
+        }
         d[g] = scale;
+        sums[g] = sum;
     }
 }
 
@@ -84,17 +100,61 @@ static inline void tile(const int8_t* a, const float* d, const int8_t* codes, co
     for (int r = 0; r < rows; r++) y[m * N + n0 + r] = lane_sum(acc[r]);
 }
 
+#ifdef Q8_VNNI
+/* `tile` with AVX512-VNNI: two groups a vpdpbusd (top comment); an odd last group through group_dot. */
+static inline void tile_vnni(const int8_t* a, const float* d, const int32_t* sums, const int8_t* codes,
+                             const float* scales, float* y, int64_t N, int64_t K, int64_t m, int64_t n0,
+                             const int rows) {
+    const int64_t G = K / GROUP, pairs = G / 2;
+    const __m512i flip = _mm512_set1_epi8((char)0x80); /* code ^ 0x80 = code + 128 as an unsigned byte */
+    __m512 acc[ROW_BLOCK];
+    for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t g = 2 * p;
+        for (int r = 0; r < ROW_BLOCK; r++) /* one cache line (two groups) of each row PREFETCH_BLOCKS ahead */
+            __builtin_prefetch(codes + (n0 + PREFETCH_BLOCKS * ROW_BLOCK + r) * K + g * GROUP);
+        const __m512i av = _mm512_loadu_si512((const void*)(a + m * K + g * GROUP));
+        const __m512i start = _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, -128 * sums[m * G + g]), 0x0100,
+                                                     -128 * sums[m * G + g + 1]);
+        const __m512 dv = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[m * G + g]), _mm512_set1_ps(d[m * G + g + 1]));
+        for (int r = 0; r < rows; r++) {
+            const int8_t* row = codes + (n0 + r) * K + g * GROUP;
+            const float* sr = scales + (n0 + r) * G + g;
+            const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void*)row), flip);
+            const __m512i dots = _mm512_dpbusd_epi32(start, w, av); /* exact int32 lane sums */
+            const __m512 sv = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sr[0]), _mm512_set1_ps(sr[1]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dv, sv), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float sum = _mm512_reduce_add_ps(acc[r]);
+        for (int64_t g = 2 * pairs; g < G; g++) /* the odd last group */
+            sum += lane_sum(group_dot(codes + (n0 + r) * K + g * GROUP, a + m * K + g * GROUP) *
+                            splat(d[m * G + g] * scales[(n0 + r) * G + g]));
+        y[m * N + n0 + r] = sum;
+    }
+}
+#endif
+
 void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                int threads) {
     int8_t* a = malloc((size_t)(M * K)); /* a decode step's few rows: a few KB */
     float* d = malloc(sizeof(float) * (size_t)(M * (K / GROUP)));
-    quantize_groups(x, a, d, M, K);
+    int32_t* sums = malloc(sizeof(int32_t) * (size_t)(M * (K / GROUP)));
+    quantize_groups(x, a, d, sums, M, K);
     const int64_t blocks = N / ROW_BLOCK;
+#ifdef Q8_VNNI
+#define TILE(m, n0, rows) tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, rows)
+#else
+#define TILE(m, n0, rows) tile(a, d, codes, scales, y, N, K, m, n0, rows)
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
-        for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, b * ROW_BLOCK, ROW_BLOCK);
+        for (int64_t m = 0; m < M; m++) TILE(m, b * ROW_BLOCK, ROW_BLOCK);
     for (int64_t n = blocks * ROW_BLOCK; n < N; n++)
-        for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, n, 1);
+        for (int64_t m = 0; m < M; m++) TILE(m, n, 1);
+#undef TILE
     free(a);
     free(d);
+    free(sums);
 }

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,6 +48,29 @@ def test_dry_run_prints_the_plan():
 
 def test_parses_the_batched_bench_table(monkeypatch: pytest.MonkeyPatch):
     assert _module(monkeypatch).parse_batched_bench(TABLE) == {1: 78.05, 16: 575.28}
+
+
+def test_decode_rate_leaves_out_the_prefill_and_the_first_token(monkeypatch: pytest.MonkeyPatch):
+    """As S_TG: a fake engine whose runs cost 5 s of prefill plus 0.5 s a token decodes at 2 tokens/s, however
+    long the prefill; each run starts from an empty prefix cache."""
+    from posttrain.engine import SamplingParams
+
+    module = _module(monkeypatch)
+    clock, cleared = [0.0], []
+
+    class FakeLLM:
+        engine = SimpleNamespace(weights_updated=lambda: cleared.append(clock[0]))
+
+        def generate(self, prompts: list, params: SamplingParams) -> list:
+            clock[0] += 5.0 + 0.5 * len(prompts) * params.n * params.max_tokens
+            sample = SimpleNamespace(token_ids=[7] * params.max_tokens)
+            return [SimpleNamespace(outputs=[sample] * params.n) for _ in prompts]
+
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    rate, outputs = module.decode_rate(FakeLLM(), [[1], [2]], SamplingParams(n=2, max_tokens=9))
+    assert rate == pytest.approx(2.0)  # (36 - 4) tokens in (23 - 7) s
+    assert len(outputs) == 2 and len(outputs[0].outputs[0].token_ids) == 9  # the full run's outputs
+    assert len(cleared) == 2
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from posttrain import kernels
 from posttrain.engine import LLM, SamplingParams
 from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.config import EngineConfig, EngineConfigError
@@ -101,6 +102,25 @@ def test_bf16_linear_is_the_bf16_product_in_fp32(bias: bool):
     assert torch.equal(out, expected + b if bias else expected)
     assert copies.linear(x.double(), weight.double(), None) is None  # not fp32: left to F.linear
     assert copies.num_held == 1
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
+def test_a_few_rows_take_the_native_bf16_kernel_and_more_take_onednn():
+    """Up to `native_rows` input rows (batch-1 decode, the LM head after the native step) go through bf16_linear.c
+    with all threads, more through oneDNN's GEMM; the runner turns the route on with the native kernels only."""
+    torch.manual_seed(0)
+    weight, b = torch.randn(48, 64), torch.randn(48)
+    copies = Bf16Weights(native_rows=4)
+    few, many = torch.randn(2, 2, 64), torch.randn(5, 64)  # 4 rows (leading dims flattened), then 5
+    out = copies.linear(few, weight, b)
+    assert out.shape == (2, 2, 48)
+    assert torch.equal(out, kernels.bf16_linear(few.reshape(4, 64), weight.bfloat16(), b).view(2, 2, 48))
+    onednn = F.linear(many.to(torch.bfloat16), weight.to(torch.bfloat16)).float() + b
+    assert torch.equal(copies.linear(many, weight, b), onednn)
+    assert copies.num_held == 1  # one copy serves both routes
+    assert make_llm(tiny_model(), compute_dtype="bfloat16").engine.runner.bf16_weights.native_rows > 0
+    plain = make_llm(tiny_model(), compute_dtype="bfloat16", cpu_kernels=False)
+    assert plain.engine.runner.bf16_weights.native_rows == 0
 
 
 def test_copies_follow_an_optimizer_step_and_the_engine_sees_it():

@@ -202,3 +202,32 @@ def test_forward_hooks_send_the_step_to_the_modules() -> None:
     handle.remove()
     generate(llm)
     assert llm.engine.runner.native_decode.steps > 0
+
+
+def test_changes_without_weights_updated_are_seen_at_the_next_step() -> None:
+    """The table's watch (checked at every step in place of the whole fingerprint) must catch what the fingerprint
+    catches when nobody calls weights_updated(): a hook put on after the table was built, a module swapped for a
+    wrapper, a weight given new storage."""
+    model = tiny_model()
+    llm = make_llm(model, enable_prefix_caching=False)
+    plain = make_llm(model, native_decode_step=False, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    generate(llm)
+    assert runner.native_decode._table is not None
+    steps = runner.native_decode.steps
+    calls: list[int] = []
+    handle = model.layers[0].mlp.gate_proj.register_forward_hook(lambda module, args, out: calls.append(1))
+    generate(llm)
+    assert runner.native_decode.steps == steps and calls  # the hook ran: the modules did
+    handle.remove()
+    generate(llm)
+    assert runner.native_decode.steps > steps
+    table, down = runner.native_decode._table, model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        down.weight.data = torch.randn_like(down.weight)  # the same Parameter over new storage
+    assert generate(llm, temperature=0.0) == generate(plain, temperature=0.0)
+    assert runner.native_decode._table is not None and runner.native_decode._table is not table  # rebuilt
+    steps = runner.native_decode.steps
+    model.layers[1].mlp.down_proj = nn.Sequential(down)  # a wrapper the native step does not compute
+    assert generate(llm, temperature=0.0) == generate(plain, temperature=0.0)
+    assert runner.native_decode.steps == steps

@@ -12,19 +12,10 @@ import torch
 
 from posttrain import kernels
 from posttrain.engine import SamplingParams
-from tests.engine.kernel_builds import KERNEL_MARCHES, forget_kernels, use_kernels_built_for
 from tests.engine.test_native_decode import generate, variant
 from tests.engine.tiny import make_llm
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
-
-
-@pytest.fixture(params=KERNEL_MARCHES)
-def kernel_march(request, monkeypatch):
-    """AVX512-BF16's vdpbf16ps where this CPU has it (native), and the widened fp32 products of the AVX2 build."""
-    use_kernels_built_for(request.param, monkeypatch)
-    yield request.param
-    forget_kernels()
 
 
 def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
