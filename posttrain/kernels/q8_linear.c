@@ -50,7 +50,8 @@
 
 /* x (M, K) -> codes a (M, K), scales d (M, K / GROUP) as the top comment defines them, and each group's code sum
  * (M, K / GROUP) (the VNNI tile's correction). */
-static void quantize_groups(const float* x, int8_t* a, float* d, int32_t* sums, int64_t M, int64_t K) {
+static void quantize_groups(const float* x, int8_t* a, float* d, int32_t* sums, int64_t M, int64_t K, int threads) {
+#pragma omp parallel for num_threads(M > 16 ? threads : 1) schedule(static) /* a decode step's few rows: one thread */
     for (int64_t g = 0; g < M * (K / GROUP); g++) {
         const float* xg = x + g * GROUP;
         float amax = 0.0f;
@@ -101,38 +102,59 @@ static inline void tile(const int8_t* a, const float* d, const int8_t* codes, co
 }
 
 #ifdef Q8_VNNI
-/* `tile` with AVX512-VNNI: two groups a vpdpbusd (top comment); an odd last group through group_dot. */
+#define INPUT_BLOCK 2 /* inputs that share each load of a weight line (prefill and batched decode) */
+
+/* `tile` with AVX512-VNNI for `inputs` (1 or INPUT_BLOCK) input rows from m: two groups a vpdpbusd (top comment);
+ * an odd last group through group_dot. */
 static inline void tile_vnni(const int8_t* a, const float* d, const int32_t* sums, const int8_t* codes,
                              const float* scales, float* y, int64_t N, int64_t K, int64_t m, int64_t n0,
-                             const int rows) {
+                             const int inputs, const int rows) {
     const int64_t G = K / GROUP, pairs = G / 2;
     const __m512i flip = _mm512_set1_epi8((char)0x80); /* code ^ 0x80 = code + 128 as an unsigned byte */
-    __m512 acc[ROW_BLOCK];
-    for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[INPUT_BLOCK][ROW_BLOCK];
+    for (int i = 0; i < INPUT_BLOCK; i++)
+        for (int r = 0; r < ROW_BLOCK; r++) acc[i][r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t g = 2 * p;
         for (int r = 0; r < ROW_BLOCK; r++) /* one cache line (two groups) of each row PREFETCH_BLOCKS ahead */
             __builtin_prefetch(codes + (n0 + PREFETCH_BLOCKS * ROW_BLOCK + r) * K + g * GROUP);
-        const __m512i av = _mm512_loadu_si512((const void*)(a + m * K + g * GROUP));
-        const __m512i start = _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, -128 * sums[m * G + g]), 0x0100,
-                                                     -128 * sums[m * G + g + 1]);
-        const __m512 dv = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[m * G + g]), _mm512_set1_ps(d[m * G + g + 1]));
+        __m512i av[INPUT_BLOCK], start[INPUT_BLOCK];
+        __m512 dv[INPUT_BLOCK];
+        for (int i = 0; i < inputs; i++) {
+            const int64_t mg = (m + i) * G + g;
+            av[i] = _mm512_loadu_si512((const void*)(a + (m + i) * K + g * GROUP));
+            start[i] = _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, -128 * sums[mg]), 0x0100,
+                                              -128 * sums[mg + 1]);
+            dv[i] = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[mg]), _mm512_set1_ps(d[mg + 1]));
+        }
         for (int r = 0; r < rows; r++) {
             const int8_t* row = codes + (n0 + r) * K + g * GROUP;
             const float* sr = scales + (n0 + r) * G + g;
             const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void*)row), flip);
-            const __m512i dots = _mm512_dpbusd_epi32(start, w, av); /* exact int32 lane sums */
             const __m512 sv = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sr[0]), _mm512_set1_ps(sr[1]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dv, sv), acc[r]);
+            for (int i = 0; i < inputs; i++) {
+                const __m512i dots = _mm512_dpbusd_epi32(start[i], w, av[i]); /* exact int32 lane sums */
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dv[i], sv), acc[i][r]);
+            }
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float sum = _mm512_reduce_add_ps(acc[r]);
-        for (int64_t g = 2 * pairs; g < G; g++) /* the odd last group */
-            sum += lane_sum(group_dot(codes + (n0 + r) * K + g * GROUP, a + m * K + g * GROUP) *
-                            splat(d[m * G + g] * scales[(n0 + r) * G + g]));
-        y[m * N + n0 + r] = sum;
-    }
+    for (int i = 0; i < inputs; i++)
+        for (int r = 0; r < rows; r++) {
+            float sum = _mm512_reduce_add_ps(acc[i][r]);
+            for (int64_t g = 2 * pairs; g < G; g++) /* the odd last group */
+                sum += lane_sum(group_dot(codes + (n0 + r) * K + g * GROUP, a + (m + i) * K + g * GROUP) *
+                                splat(d[(m + i) * G + g] * scales[(n0 + r) * G + g]));
+            y[(m + i) * N + n0 + r] = sum;
+        }
+}
+
+/* y[:, n0 .. n0 + rows) for all M inputs, INPUT_BLOCK at a time. */
+static inline void rows_vnni(const int8_t* a, const float* d, const int32_t* sums, const int8_t* codes,
+                             const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                             const int rows) {
+    int64_t m = 0;
+    for (; m + INPUT_BLOCK <= M; m += INPUT_BLOCK) tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, INPUT_BLOCK, rows);
+    for (; m < M; m++) tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, 1, rows);
 }
 #endif
 
@@ -141,19 +163,19 @@ void q8_linear(const float* x, const int8_t* codes, const float* scales, float* 
     int8_t* a = malloc((size_t)(M * K)); /* a decode step's few rows: a few KB */
     float* d = malloc(sizeof(float) * (size_t)(M * (K / GROUP)));
     int32_t* sums = malloc(sizeof(int32_t) * (size_t)(M * (K / GROUP)));
-    quantize_groups(x, a, d, sums, M, K);
+    quantize_groups(x, a, d, sums, M, K, threads);
     const int64_t blocks = N / ROW_BLOCK;
 #ifdef Q8_VNNI
-#define TILE(m, n0, rows) tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, rows)
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) rows_vnni(a, d, sums, codes, scales, y, M, N, K, b * ROW_BLOCK, ROW_BLOCK);
+    for (int64_t n = blocks * ROW_BLOCK; n < N; n++) rows_vnni(a, d, sums, codes, scales, y, M, N, K, n, 1);
 #else
-#define TILE(m, n0, rows) tile(a, d, codes, scales, y, N, K, m, n0, rows)
-#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
-        for (int64_t m = 0; m < M; m++) TILE(m, b * ROW_BLOCK, ROW_BLOCK);
+        for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, b * ROW_BLOCK, ROW_BLOCK);
     for (int64_t n = blocks * ROW_BLOCK; n < N; n++)
-        for (int64_t m = 0; m < M; m++) TILE(m, n, 1);
-#undef TILE
+        for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, n, 1);
+#endif
     free(a);
     free(d);
     free(sums);
