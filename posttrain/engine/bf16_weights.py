@@ -40,6 +40,10 @@ from posttrain.hardware import auto_dtype
 logger = logging.getLogger("posttrain.engine")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineConfig.compute_dtype but auto
+# Inputs of at most this many rows take bf16_linear.c rather than oneDNN: over 56 SmolLM2 decoder weights on an
+# AVX512-BF16 EPYC (2 threads) 4 / 8 / 12 / 16 / 24 rows took 3.6 / 5.0 / 6.7 / 8.2 / 10.5 ms, oneDNN 6.4 / 7.3 /
+# 8.0 / 8.7 / 9.3.
+NATIVE_MAX_ROWS = 16
 
 
 def resolve_compute_dtype(setting: str, weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
