@@ -72,13 +72,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             nproc = args.nproc if nproc is None else nproc
             if nproc is not None:
                 return relaunch(nproc, argv)
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        _leave_process_groups()
+        return code
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _leave_process_groups() -> None:
+    """After a command ran to its end under torchrun: destroy the process groups while the interpreter is whole.
+    Left to interpreter exit, gloo's worker threads may abort the process ("terminate called without an active
+    exception", SIGABRT) after a run that succeeded. Not on an error path: a group with an operation still posted to
+    a rank that is gone would wait for it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -154,3 +154,22 @@ def test_rollout_ranks_are_checked_by_key_and_need_the_matching_launch(monkeypat
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match="leaves 3 trainer processes.*--nproc 2"):
         join_with_rollout_ranks(1, 60.0, "cpu")
+
+
+def test_a_command_that_ran_to_its_end_leaves_its_process_group(tmp_path):
+    """Left to interpreter exit, a gloo group's worker threads may abort a torchrun rank whose run succeeded
+    ("terminate called without an active exception"): the CLI destroys the groups when a command returns. After an
+    error it leaves them (a posted operation to a rank that is gone would hold up the teardown)."""
+    import torch.distributed as dist
+
+    from posttrain.cli import main as cli_main
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert cli_main(["grpo", str(tmp_path / "missing.yaml")]) == 2
+        assert dist.is_initialized()
+        assert cli_main(["info"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
