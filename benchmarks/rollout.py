@@ -80,6 +80,7 @@ def load_prompts(path: Path, count: int, tokenizer) -> list[list[int]]:
 
 def run_posttrain(model, tokenizer, prompts, n: int, max_tokens: int, params_count: int, **engine) -> dict:
     llm = LLM(model, tokenizer, **engine)
+    llm.engine.touch_kv_cache()  # the pool's pages faulted in now, not in the measured run
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True, seed=None)
     llm.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
     llm.weights_updated()  # an empty prefix cache, as at the start of an RL step

@@ -145,6 +145,7 @@ def run_posttrain(hf_dir: str, precision: str, workload: Workload, speculative: 
         num_kv_blocks=blocks,
         max_num_seqs=max(workload.sequences, 1),
     )
+    llm.engine.touch_kv_cache()  # the pool's pages faulted in now (llama.cpp clears its cache at start too)
     prompts = load_prompts(llm.tokenizer, workload.prompts)
     llm.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
     sampled = SamplingParams(n=workload.n, temperature=1.0, max_tokens=workload.max_tokens, ignore_eos=True)

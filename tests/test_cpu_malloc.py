@@ -111,3 +111,27 @@ def test_engine_holds_while_generating_then_gives_the_trainer_release_back() -> 
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="'lean' is not one of default, hold, release"):
         set_malloc_policy("lean")  # type: ignore[arg-type]
+
+
+def test_zeroed_pages_are_zeros_that_take_memory_only_where_touched() -> None:
+    """The KV pool's allocation: zeros without writing them (under `hold` too, where malloc would hand out heap
+    pages that held other tensors), resident only once touched, and given back when the tensor goes."""
+    out = run_probe("""
+        import torch
+        from posttrain.cpu_malloc import zeroed_pages
+        set_malloc_policy("hold")
+        junk = torch.full((64 * 2**20,), 7.0); del junk  # 256 MiB of sevens back in the held heap
+        before = rss()
+        pool = zeroed_pages((2, 64, 2**20), torch.bfloat16)  # 256 MiB
+        out["untouched_mib"] = (rss() - before) / 2**20
+        out["zeros"] = bool((pool[:, ::4096] == 0).all()) and bool((pool[1, 63, -8:] == 0).all())
+        pool[0, :16].fill_(1.5)  # 32 MiB
+        out["touched_mib"] = (rss() - before) / 2**20
+        out["shape"], out["dtype"] = list(pool.shape), str(pool.dtype)
+        del pool
+        out["freed_mib"] = (rss() - before) / 2**20
+    """)
+    assert out["zeros"] and out["shape"] == [2, 64, 2**20] and out["dtype"] == "torch.bfloat16"
+    assert out["untouched_mib"] < 48  # nothing written up front (reading every 4096th value maps a few pages)
+    assert 28 < out["touched_mib"] < 96  # what was written, in whole (possibly 2 MiB) pages
+    assert out["freed_mib"] < 16  # unmapped with the tensor

@@ -485,6 +485,18 @@ class LLMEngine:
             self.policy_version += 1
             return self.policy_version
 
+    def touch_kv_cache(self) -> None:
+        """Fault in every page of the KV pool now. The pool comes on fresh pages that the OS zeroes as they are
+        first touched (posttrain.cpu_malloc.zeroed_pages), so the first steps to reach a page pay for it; a benchmark
+        calls this in its warm-up to measure the steady state. Zeros are written over every block, so the prefix
+        cache goes too. Only between requests."""
+        if self.requests:
+            raise PosttrainError(f"cannot touch the KV pool with {len(self.requests)} unfinished requests")
+        self.block_manager.reset_prefix_cache()
+        with torch.inference_mode():  # the pool was made under it
+            for cache in self.runner.kv_caches or []:
+                cache.zero_()
+
     def sleep(self) -> None:
         """Free the KV pool (and the prefix cache with it). Only between requests."""
         if self.requests:

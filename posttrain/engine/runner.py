@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain import kernels
-from posttrain.cpu_malloc import advise_huge_pages, current_malloc_policy, malloc_policy, set_malloc_policy
+from posttrain.cpu_malloc import current_malloc_policy, malloc_policy, set_malloc_policy, zeroed_pages
 from posttrain.engine import native_decode, packed_weights
 from posttrain.engine.attention_backend import resolve_attention_backend
 from posttrain.engine.bf16_weights import NATIVE_MAX_ROWS as BF16_NATIVE_ROWS
@@ -165,10 +165,9 @@ class ModelRunner:
             )
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        cache = torch.empty(shape, dtype=self.compute_dtype, device=self.device)
-        if cache.device.type == "cpu":  # 2 MiB pages before the first touch (posttrain.cpu_malloc)
-            advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
-        return cache.zero_()
+        if self.device.type == "cpu":  # zero pages the OS fills on first touch, 2 MiB ones (posttrain.cpu_malloc)
+            return zeroed_pages(shape, self.compute_dtype)
+        return torch.zeros(shape, dtype=self.compute_dtype, device=self.device)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = None

@@ -270,6 +270,23 @@ def test_sleep_frees_the_pool_and_wake_restores_it() -> None:
     assert llm.generate([PROMPTS[2]], params)[0].outputs[0].token_ids == before
 
 
+def test_the_pool_starts_as_zeros_and_touching_it_keeps_outputs() -> None:
+    """The KV pool comes on fresh zero pages (posttrain.cpu_malloc.zeroed_pages); touch_kv_cache faults them in for
+    a benchmark's warm-up: zeros over every block, the prefix cache gone, the outputs the same; never mid-request."""
+    llm = make_llm()
+    caches = llm.engine.runner.kv_caches
+    assert all(not cache.any() for cache in caches)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    before = llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids
+    assert any(cache.any() for cache in caches)  # K/V written
+    llm.engine.touch_kv_cache()
+    assert all(not cache.any() for cache in caches) and not llm.engine.block_manager.hash_to_block
+    assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == before
+    llm.engine.add_request("r", llm.encode_prompt(PROMPTS[1])[1], params)
+    with pytest.raises(PosttrainError, match="cannot touch the KV pool with 1 unfinished requests"):
+        llm.engine.touch_kv_cache()
+
+
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(PosttrainError, match="block_size=0"):
         EngineConfig(block_size=0)
