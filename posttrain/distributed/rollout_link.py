@@ -23,6 +23,7 @@ import os
 import pickle
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -77,11 +78,13 @@ class RolloutLink:
         try:
             yield
         except RuntimeError as error:
+            cause = "timed out" if "Timed out" in str(error) else "connection lost"
             if peer is not None:
                 who = f"{'rollout rank' if peer in self.rollout_ranks else 'trainer rank'} {peer}"
+                if cause == "connection lost" and self._exits(peer):
+                    who += f" (pid {self.peers[peer][1]}) exited"
             else:
                 who = ", ".join(f"rollout rank {r}" for r in self.gone_ranks()) or "a rollout rank"
-            cause = "timed out" if "Timed out" in str(error) else "connection lost"
             raise RolloutRankError(
                 f"{who}: {what} failed ({cause}: the process died, or hung longer than "
                 f"dist.rollout_timeout_s={self.timeout_s:g}s)"
@@ -136,19 +139,21 @@ class RolloutLink:
             self.peers[rank] = self.recv_object(rank, "its introduction")
 
     def gone_ranks(self) -> list[int]:
-        """The rollout ranks on this host whose processes no longer exist."""
+        """The rollout ranks on this host whose processes have exited (gone, or not yet reaped)."""
         host = socket.gethostname()
-        gone = []
-        for rank, (peer_host, pid) in self.peers.items():
-            if peer_host != host:
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                gone.append(rank)
-            except PermissionError:  # alive, someone else's
-                pass
-        return gone
+        return [rank for rank, (peer_host, pid) in self.peers.items() if peer_host == host and not _running(pid)]
+
+    def _exits(self, peer: int, within_s: float = 1.0) -> bool:
+        """Whether rollout rank `peer` (on this host) has exited or exits within `within_s`: its sockets close as
+        it exits, so gloo may report the lost connection a moment before the process is a zombie."""
+        if peer not in self.peers:
+            return False
+        deadline = time.monotonic() + within_s
+        while peer not in self.gone_ranks():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     @contextlib.contextmanager
     def stop_on_sigterm(self, on_stop: Callable[[], None]) -> Iterator[None]:
@@ -205,3 +210,19 @@ def join_with_rollout_ranks(num_rollout: int, timeout_s: float, device_type: str
             backend, store=dist.PrefixStore("rollout_ranks", store), rank=index, world_size=num_rollout
         )
     return DistContext(index, num_rollout, local_rank), link
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, exited but not yet reaped by torchrun, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the field after the command name, which may hold spaces
+    except (OSError, IndexError):  # no /proc (not Linux): existing is all we know
+        return True
+    return state != "Z"

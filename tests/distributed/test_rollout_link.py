@@ -64,3 +64,30 @@ def test_a_broadcast_without_one_peer_names_the_ranks_that_are_gone(monkeypatch)
     with pytest.raises(RolloutRankError, match=r"^a rollout rank: "):
         with link.failures("the weights' broadcast after step 2"):
             raise RuntimeError(CLOSED)
+
+
+def test_a_lost_connection_to_a_rollout_process_that_exited_says_it_exited():
+    """gloo reports the closed socket as the peer exits, a moment before it is a zombie torchrun has not reaped:
+    a peer on this host that has exited (or does within a second) is named with its pid and 'exited'."""
+    import socket
+    import subprocess
+    import sys
+
+    link = _trainer_link(_Group("wait"))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # exits at once; not waited for: a zombie
+    link.peers[1] = (socket.gethostname(), child.pid)
+    try:
+        with pytest.raises(RolloutRankError, match=rf"^rollout rank 1 \(pid {child.pid}\) exited: the rollout of"):
+            link.recv_object(1, "the rollout of step 3")
+        assert link.gone_ranks() == [1]
+    finally:
+        child.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    link.peers[1] = (socket.gethostname(), alive.pid)
+    try:
+        with pytest.raises(RolloutRankError, match=r"^rollout rank 1: the rollout of step 3 failed \(connection lost"):
+            link.recv_object(1, "the rollout of step 3")
+        assert link.gone_ranks() == []
+    finally:
+        alive.kill()
+        alive.wait()
