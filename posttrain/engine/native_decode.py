@@ -110,13 +110,11 @@ class _Step(ctypes.Structure):  # DecodeStep
 class _Watch:
     """What a table was built from, in a form cheap to check at every step (module docstring)."""
 
-    places: list[tuple[dict, str, object]] = dataclasses.field(
-        default_factory=list
-    )  # (an owner's dict, key, what sat there)
+    # (an owner's dict, key, what sat there): modules, parameters and buffers each still in its place
+    places: list[tuple[dict, str, object]] = dataclasses.field(default_factory=list)
     modules: list[nn.Module] = dataclasses.field(default_factory=list)  # none of them may gain a forward hook
-    tensors: list[tuple[torch.Tensor, int, int]] = dataclasses.field(
-        default_factory=list
-    )  # (t, data_ptr, version or -1: any)
+    # (tensor, its data pointer, its version or -1 where any version will do)
+    tensors: list[tuple[torch.Tensor, int, int]] = dataclasses.field(default_factory=list)
     caches: list[int] = dataclasses.field(default_factory=list)  # the K/V pools' data pointers
 
     def holds(self, caches: list[torch.Tensor]) -> bool:
@@ -280,11 +278,10 @@ class NativeDecode:
                     if not all(t is None or type(t) in _PLAIN for t in tensors):
                         return None
                     prints.extend(t.data_ptr() if t is not None else 0 for t in tensors)
-                    _watch_tensors(watch, linear._parameters, versioned=False)
+                    # In bf16 an in-place step makes the weight's copy stale: versions are watched too.
+                    _watch_tensors(watch, linear._parameters, versioned=self.bf16 is not None)
                     if self.bf16 is not None:  # the copy, remade here if the weight moved since it was made
-                        weight = linear._parameters["weight"]
-                        prints.append(self.bf16.copy_of(weight).data_ptr())
-                        watch.tensors.append((weight, weight.data_ptr(), weight._version))  # a step: a stale copy
+                        prints.append(self.bf16.copy_of(linear._parameters["weight"]).data_ptr())
                 else:  # frozen codes and scales: a reload writes them in place too, and the table holds derived scales
                     for t in linear._buffers.values():
                         prints.extend((t.data_ptr(), t._version) if t is not None else (0, 0))

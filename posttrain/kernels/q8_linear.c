@@ -47,11 +47,14 @@
 /* Codes of the block this many blocks ahead are prefetched (as in int8_linear.c: four short rows side by side are
  * a pattern the hardware prefetcher follows poorly). */
 #define PREFETCH_BLOCKS 8
+/* Inputs of more rows than this round their activations on all threads; a decode step's few on one, where the
+ * fork would cost more than the rounding. */
+#define SERIAL_QUANTIZE_ROWS 16
 
 /* x (M, K) -> codes a (M, K), scales d (M, K / GROUP) as the top comment defines them, and each group's code sum
  * (M, K / GROUP) (the VNNI tile's correction). */
 static void quantize_groups(const float* x, int8_t* a, float* d, int32_t* sums, int64_t M, int64_t K, int threads) {
-#pragma omp parallel for num_threads(M > 16 ? threads : 1) schedule(static) /* a decode step's few rows: one thread */
+#pragma omp parallel for num_threads(M > SERIAL_QUANTIZE_ROWS ? threads : 1) schedule(static)
     for (int64_t g = 0; g < M * (K / GROUP); g++) {
         const float* xg = x + g * GROUP;
         float amax = 0.0f;
@@ -153,14 +156,15 @@ static inline void rows_vnni(const int8_t* a, const float* d, const int32_t* sum
                              const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                              const int rows) {
     int64_t m = 0;
-    for (; m + INPUT_BLOCK <= M; m += INPUT_BLOCK) tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, INPUT_BLOCK, rows);
+    for (; m + INPUT_BLOCK <= M; m += INPUT_BLOCK)
+        tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, INPUT_BLOCK, rows);
     for (; m < M; m++) tile_vnni(a, d, sums, codes, scales, y, N, K, m, n0, 1, rows);
 }
 #endif
 
 void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                int threads) {
-    int8_t* a = malloc((size_t)(M * K)); /* a decode step's few rows: a few KB */
+    int8_t* a = malloc((size_t)(M * K)); /* the rounded activations: a few KB for a decode step */
     float* d = malloc(sizeof(float) * (size_t)(M * (K / GROUP)));
     int32_t* sums = malloc(sizeof(int32_t) * (size_t)(M * (K / GROUP)));
     quantize_groups(x, a, d, sums, M, K, threads);
