@@ -226,13 +226,15 @@ def dpo_overrides(args: argparse.Namespace, out: Path, allocator: str) -> list[s
 
 
 def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, int]]]:
-    """Per step, the trainer's micro-batches as {pairs, width, targets, tokens}: the same pairs, batch_stream and
-    collate_pairs as `train_dpo` (2B rows, chosen then rejected, padded to the longest of all 2B)."""
+    """Per step, the trainer's micro-batches as {pairs, width, targets, tokens}: the same pairs, batch_stream,
+    regrouping by length and collate_pairs as `train_dpo` (one packed row per pair, the prompt once and both
+    completions without their last token, padded to the longest row)."""
     from posttrain.config import parse_cli_config
     from posttrain.data.preference_pairs import load_pairs
     from posttrain.models.hub import load_tokenizer, resolve_model_path
     from posttrain.trainers.loop import batch_stream
     from posttrain.trainers.preference.dpo import DPOConfig
+    from posttrain.trainers.preference.logps import by_length, collate_pairs
 
     cfg = parse_cli_config(DPOConfig, overrides)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.name_or_path))
@@ -241,14 +243,14 @@ def dpo_micro_batches(overrides: list[str], steps: int) -> list[list[dict[str, i
     out = []
     for _ in range(steps):
         micro = []
-        for _ in range(cfg.train.grad_accum):
-            rows = [row for i in next(stream) for row in (pairs[i].chosen, pairs[i].rejected)]
+        for idx in by_length([next(stream) for _ in range(cfg.train.grad_accum)], pairs):
+            packed = collate_pairs([pairs[i] for i in idx], tokenizer.pad_token_id or 0)
             micro.append(
                 {
-                    "pairs": len(rows) // 2,
-                    "width": max(len(r) for r in rows),
-                    "targets": sum(r.num_targets for r in rows),
-                    "tokens": sum(len(r) for r in rows),
+                    "pairs": len(idx),
+                    "width": packed.input_ids.shape[1],
+                    "targets": int(packed.completion_mask.sum()),
+                    "tokens": packed.num_input_tokens,
                 }
             )
         out.append(micro)
@@ -271,11 +273,13 @@ def run_dpo(args: argparse.Namespace, arch: Any, overheads: dict[str, int], tmp:
     best: dict[str, Any] = {}
     for micro in dpo_micro_batches(overrides, args.dpo_steps):
         for index, mb in enumerate(micro):
-            prompt = mb["width"] - math.ceil(mb["targets"] / (2 * mb["pairs"]))  # N = 2B (L - P) targets
+            # N = 2B (L - P) targets and a packed row of P + 2 (L - P - 1) tokens: solve for P and L
+            completion = math.ceil(mb["targets"] / (2 * mb["pairs"]))
+            prompt = mb["width"] - 2 * (completion - 1)
             setup = TrainingSetup(
                 trainer="dpo",
                 batch=mb["pairs"],
-                seq_len=mb["width"],
+                seq_len=prompt + completion,
                 prompt_len=prompt,
                 grad_accum=1 if index == 0 else 2,
                 overhead_bytes=overheads[args.allocators[-1]],

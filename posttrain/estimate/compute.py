@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from posttrain.errors import PosttrainError
 from posttrain.estimate.inputs import Architecture, TrainingSetup
 from posttrain.estimate.memory import adapter_params
-from posttrain.estimate.trainer_rules import logit_tokens, rules, sequences, trunk_tokens
+from posttrain.estimate.trainer_rules import logit_tokens, packed_groups, rules, sequences, trunk_tokens
 
 DEFAULT_MFU = 0.4
 MIB, GIB = 2**20, 2**30
@@ -55,14 +55,17 @@ def device_kind(name: str) -> DeviceKind:
 
 
 def _attention_pairs(setup: TrainingSetup) -> int:
-    """(query, key) pairs attended in one micro-batch: causal over each right-padded row (sft, dpo, rm), or
-    in a packed group's row (grpo, ppo) every completion token sees the prompt and its own earlier tokens."""
-    rows, width = trunk_tokens(setup)
-    if rules(setup).layout != "groups":
+    """(query, key) pairs attended in one micro-batch: causal over each right-padded row (sft, rm), or in a
+    packed pair's or group's row (dpo, grpo, ppo) every completion token sees the prompt and its own earlier
+    tokens."""
+    packed = packed_groups(setup)
+    if packed is None:
+        rows, width = trunk_tokens(setup)
         return rows * width * (width + 1) // 2
+    rows, completions = packed
     p, c = setup.prompt_len, setup.completion_len - 1  # c: a completion's input tokens
     per_completion = c * p + c * (c + 1) // 2
-    return rows * (p * (p + 1) // 2 + min(setup.group_size, setup.batch) * per_completion)
+    return rows * (p * (p + 1) // 2 + completions * per_completion)
 
 
 def lm_head_flops(arch: Architecture, setup: TrainingSetup) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.estimate.inputs import ALL_LINEARS, OPTIMIZER_STATES, Architecture, TrainingSetup
-from posttrain.estimate.trainer_rules import logit_tokens, loss_head, rules, trunk_tokens
+from posttrain.estimate.trainer_rules import logit_tokens, loss_head, packed_groups, rules, trunk_tokens
 
 KV_BLOCK_TOKENS = 16  # the engine allocates its KV pool in blocks of this many tokens (EngineConfig.block_size)
 
@@ -140,9 +140,9 @@ def layer_bytes_per_token(arch: Architecture, setup: TrainingSetup, first: bool 
 
 
 def mask_bytes_per_layer(arch: Architecture, setup: TrainingSetup) -> int:
-    """An explicit attention mask (GRPO's and PPO's packed groups; right-padded rows are plain causal) is
+    """An explicit attention mask (packed pairs and groups: dpo, grpo, ppo; right-padded rows are plain causal) is
     converted by SDPA to the dtype in every layer and kept for backward: rows x width^2 x b."""
-    if rules(setup).layout != "groups":
+    if packed_groups(setup) is None:
         return 0
     rows, width = trunk_tokens(setup)
     return rows * width * width * setup.element_bytes

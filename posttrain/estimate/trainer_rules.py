@@ -23,7 +23,7 @@ SFT_LOSS_CHUNK_ROWS = 1024  # chunked_cross_entropy's default chunk (the SFT los
 LOGPROB_CHUNK_TOKENS = 256  # token_logprobs' DEFAULT_CHUNK_TOKENS (the DPO and RL losses)
 INT64, FP32, BOOL = 8, 4, 1  # bytes of the index, float and flag vectors the heads keep
 
-Layout = Literal["rows", "pairs", "groups"]
+Layout = Literal["rows", "pairs", "packed_pairs", "groups"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class TrainerRules:
     """How one trainer runs a micro-batch through the model (see the module docstring)."""
 
     batch: str  # what --batch counts, for the CLI's help
-    layout: Layout  # rows: B rows; pairs: 2B rows, chosen then rejected; groups: one packed row per group
+    # rows: B rows; pairs: 2B rows, chosen then rejected; packed_pairs: one packed row per pair (a group of two);
+    # groups: one packed row per group of group_size samples
+    layout: Layout
     lm_head: bool  # the target positions go through the LM head (RM scores with its own head instead)
     loss_head: Callable[[Architecture, TrainingSetup], LossHead]
     scalar_head: ScalarHead | None = None
@@ -76,21 +78,32 @@ def rules(setup: TrainingSetup) -> TrainerRules:
 
 
 def sequences(setup: TrainingSetup) -> int:
-    """Sequences in one micro-batch: B, or 2B for preference pairs (a chosen and a rejected row each)."""
-    return setup.batch * (2 if rules(setup).layout == "pairs" else 1)
+    """Sequences in one micro-batch: B, or 2B for preference pairs (a chosen and a rejected completion each)."""
+    return setup.batch * (2 if rules(setup).layout in ("pairs", "packed_pairs") else 1)
+
+
+def packed_groups(setup: TrainingSetup) -> tuple[int, int] | None:
+    """(rows, completions per row) when each row packs a prompt with several completions, else None."""
+    layout = rules(setup).layout
+    if layout == "packed_pairs":
+        return setup.batch, 2
+    if layout == "groups":
+        return math.ceil(setup.batch / setup.group_size), min(setup.group_size, setup.batch)
+    return None
 
 
 def trunk_tokens(setup: TrainingSetup) -> tuple[int, int]:
     """(rows, row width) of one micro-batch through the decoder.
 
-    sft: B right-padded rows of seq_len. dpo, rm (dpo.collate_pairs, reward_model.pair_scores): the B
-    chosen rows then the B rejected rows, right-padded to the longest of all 2B, in ONE forward.
-    grpo, ppo (posttrain.trainers.rl.batch): each group of group_size samples is ONE row, the prompt once
+    sft: B right-padded rows of seq_len. rm (reward_model.pair_scores): the B chosen rows then the B rejected
+    rows, right-padded to the longest of all 2B, in ONE forward. dpo (preference.logps.collate_pairs) and grpo,
+    ppo (posttrain.trainers.packed_groups): each pair / group of group_size samples is ONE row, the prompt once
     and then every completion without its last token."""
-    if rules(setup).layout != "groups":
+    packed = packed_groups(setup)
+    if packed is None:
         return sequences(setup), setup.seq_len
-    rows = math.ceil(setup.batch / setup.group_size)
-    return rows, setup.prompt_len + min(setup.group_size, setup.batch) * (setup.completion_len - 1)
+    rows, completions = packed
+    return rows, setup.prompt_len + completions * (setup.completion_len - 1)
 
 
 def logit_tokens(setup: TrainingSetup) -> int:
@@ -129,21 +142,20 @@ def sft_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 
 def dpo_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
-    """posttrain.trainers.preference.logps.sequence_logps: the LM head on the N target positions of the 2B rows, then
-    token_logprobs and a per-row sum (index_add).
+    """posttrain.trainers.preference.logps.pair_logps over packed pairs: packed_forward (as rl_head, without a
+    value head), then each completion's sum over its (B, L) row.
 
-    Kept: the (R, T) bool target mask; the (N, d) target rows when the head trains; the (N, V) fp32 logits
-    (token_logprobs keeps its input); (N,) vectors: int64 labels, fp32 logsumexps, bool valid flags,
-    index_add's fp32 source and its int64 row index, a column of keep.nonzero() whose whole (N, 2) storage
-    stays alive. The peak is the start of backward, which writes the
-    (N, V) gradient in one piece, unless a live reference (--reference: DPOConfig.reference=live) runs: it
-    scores the same 2B rows without grad AFTER the policy's forward, while all of the above is kept, and
-    holds its final hidden states (R, T, d) and its own (N, V) fp32 logits. With the default
-    reference=precompute the table of reference log-probs is made before the first step: nothing here."""
+    Kept: what rl_head keeps without a value head; the sums and the chosen / rejected split keep nothing.
+    The peak is the start of backward, which writes the (N, V) gradient in one piece, unless a live reference
+    (--reference: DPOConfig.reference=live) runs: it scores the same pairs without grad AFTER the policy's
+    forward, while all of the above is kept, and holds its final hidden states (R, T, d) and its own (N, V)
+    fp32 logits. With the default reference=precompute the table of reference log-probs is made before the
+    first step: nothing here. (Pairs whose rows do not share a prompt take 2B padded rows instead: not
+    modelled.)"""
     rows, width = trunk_tokens(setup)
     n = logit_tokens(setup)
     logits = n * arch.vocab * FP32
-    saved = rows * width * BOOL + _target_rows(arch, setup, n) + logits + n * (INT64 + FP32 + BOOL + FP32 + 2 * INT64)
+    saved = _target_rows(arch, setup, n) + logits + n * (INT64 + INT64 + FP32 + BOOL + 2 * INT64)
     reference = rows * width * arch.hidden * setup.element_bytes + logits if setup.reference else 0
     return LossHead(saved, max(logits, reference) + _logprob_scratch(arch, n))
 
@@ -159,7 +171,7 @@ def rm_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 
 def rl_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
-    """posttrain.trainers.rl.batch.packed_forward: index_select of the N predicting states, the LM head,
+    """posttrain.trainers.packed_groups.packed_forward: index_select of the N predicting states, the LM head,
     token_logprobs, and the scatter of the (N,) results into (B, L).
 
     Kept: index_select's int64 index; the (N, d) states when the LM head trains or a value head reads them
@@ -184,7 +196,7 @@ PAIRS = "preference pairs (a chosen and a rejected row each)"
 SAMPLES = "samples (completions), --group-size of them to one packed row"
 TRAINERS: dict[Trainer, TrainerRules] = {
     "sft": TrainerRules("sequences", "rows", True, sft_head),
-    "dpo": TrainerRules(PAIRS, "pairs", True, dpo_head, reference_pass=True),
+    "dpo": TrainerRules(PAIRS, "packed_pairs", True, dpo_head, reference_pass=True),
     "rm": TrainerRules(PAIRS, "pairs", False, rm_head, ScalarHead(bias=False, fp32=True, per_target=False)),
     "grpo": TrainerRules(SAMPLES, "groups", True, rl_head, rollout=True, reference_pass=True),
     "ppo": TrainerRules(

@@ -141,7 +141,7 @@ def test_activation_count_matches_what_autograd_keeps(method: str) -> None:
 
 
 def test_grpo_activations_count_the_packed_rows_and_their_mask() -> None:
-    from posttrain.trainers.rl.batch import pack_groups
+    from posttrain.trainers.packed_groups import pack_groups
 
     torch.manual_seed(0)
     model = Transformer(tiny_model_config())
@@ -197,14 +197,17 @@ def _measure_sft(model: Transformer) -> tuple[int, TrainingSetup]:
 
 
 def _measure_dpo(model: Transformer) -> tuple[int, TrainingSetup]:
-    """sequence_logps and the sigmoid loss, with precomputed (here: zero) reference log-probs."""
+    """pair_logps over two packed pairs (each pair's rows share their prompt) and the sigmoid loss, with
+    precomputed (here: zero) reference log-probs."""
     from posttrain.trainers.preference.dpo import DPOConfig, preference_loss
-    from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
+    from posttrain.trainers.preference.logps import collate_pairs, pair_logps
 
-    batch = collate_pairs(_pairs(5, 7), 0)
+    shared = [PairRow(_row(5, 7, first), _row(5, 7, first)) for first in (1, 50)]
+    pairs = [PairRow(p.chosen, TokenizedRow(p.chosen.input_ids[:5] + [90] * 7, [-100] * 5 + [90] * 7)) for p in shared]
+    batch = collate_pairs(pairs, 0)
 
     def forward() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logps, lengths = sequence_logps(model, batch)  # (4,), (4,)
+        logps, lengths = pair_logps(model, batch)  # (4,), (4,)
         return preference_loss(DPOConfig(), logps, lengths, (torch.zeros(2), torch.zeros(2), None), None)
 
     # logsigmoid keeps its (B,) fp32 input and buffer: per pair, not per token, and not counted
@@ -224,7 +227,7 @@ def _measure_rm(model: Transformer) -> tuple[int, TrainingSetup]:
 def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
     """packed_forward as the update calls it (entropy as a metric; PPO with its value head). The policy and
     value losses on the (B, L) outputs are not counted (docs/estimate.md says what they keep)."""
-    from posttrain.trainers.rl.batch import pack_groups, packed_forward
+    from posttrain.trainers.packed_groups import pack_groups, packed_forward
     from posttrain.trainers.rl.ppo import ValueHead
 
     pack = pack_groups([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[[11, 12, 13, 14]] * 4, [[15, 16, 17, 18]] * 4])
@@ -279,12 +282,12 @@ def test_reference_copy_is_whole_on_every_device() -> None:
 
 
 def test_dpo_live_reference_pass_holds_its_hidden_states_and_logits() -> None:
-    # the reference scores the 2B rows after the policy's forward: its (2B, T, d) hidden states and its
-    # (N, V) fp32 logits, against the (N, V) gradient at the start of backward without it
+    # the reference scores the B packed pairs after the policy's forward: its (B, T, d) hidden states and its
+    # (N, V) fp32 logits, against the (N, V) gradient at the start of backward without it. T = 5 + 2 x 6.
     for method in ("full", "lora"):
         base = TrainingSetup(trainer="dpo", method=method, lora_r=4, batch=2, seq_len=12, prompt_len=5)
         live = TrainingSetup(**{**vars(base), "reference": True})
-        assert loss_head(TINY, live).peak - loss_head(TINY, base).peak == 4 * 12 * 64 * 4
+        assert loss_head(TINY, live).peak - loss_head(TINY, base).peak == 2 * 17 * 64 * 4
 
 
 def test_time_of_each_trainer() -> None:
@@ -294,9 +297,13 @@ def test_time_of_each_trainer() -> None:
     rm = TrainingSetup(trainer="rm", batch=2, seq_len=10)
     forward = 2 * LINEAR_PARAMS * 40 + 4 * 2 * 4 * 16 * (4 * 10 * 11 // 2) + 2 * 64 * 4
     assert forward_flops(TINY, rm) == forward and train_flops(TINY, rm) == 3 * forward
-    # DPO: the LM head on 2B x completion targets; a live reference adds one no-grad forward
+    # DPO: B = 2 packed rows of the prompt (4) and both completions without their last token (2 x 5): 28 tokens;
+    # each completion token sees the prompt and its own earlier ones; the LM head on 2B x 6 targets. A live
+    # reference adds one no-grad forward.
     dpo = TrainingSetup(trainer="dpo", batch=2, seq_len=10, prompt_len=4)
-    assert forward_flops(TINY, dpo) == forward - 2 * 64 * 4 + 2 * 100 * 64 * 4 * 6
+    attended = 2 * (4 * 5 // 2 + 2 * (5 * 4 + 5 * 6 // 2))
+    dpo_forward = 2 * LINEAR_PARAMS * 28 + 4 * 2 * 4 * 16 * attended + 2 * 100 * 64 * 4 * 6
+    assert forward_flops(TINY, dpo) == dpo_forward
     live = TrainingSetup(**{**vars(dpo), "reference": True})
     assert train_flops(TINY, live) == 4 * forward_flops(TINY, dpo)
     # PPO: GRPO's forward + the value head on every target, and its old-logprob / value pass
@@ -400,7 +407,7 @@ def test_cli_dpo_rm_ppo(capsys: pytest.CaptureFixture[str], default_model_dir: o
     dpo = _cli_json(capsys, "--trainer", "dpo", *shape)
     for key in ("weights_bytes", "logits_bytes", "reference_bytes", "kv_cache_bytes", "head_parameters", "total_bytes"):
         assert isinstance(dpo[key], int), key
-    assert dpo["trunk_tokens"] == 4 * 128 and dpo["logit_tokens"] == 4 * 96  # 2 pairs: 4 rows
+    assert dpo["trunk_tokens"] == 2 * (32 + 2 * 95) and dpo["logit_tokens"] == 4 * 96  # 2 pairs: 2 packed rows
     assert dpo["reference_bytes"] == dpo["kv_cache_bytes"] == 0  # reference=precompute; no rollout
     live = _cli_json(capsys, "--trainer", "dpo", "--reference", *shape)
     assert live["reference_bytes"] == live["weights_bytes"]  # full fine-tuning: one more copy of the weights
@@ -411,7 +418,7 @@ def test_cli_dpo_rm_ppo(capsys: pytest.CaptureFixture[str], default_model_dir: o
     d = 576  # SmolLM2-135M's hidden size
     assert rm["logit_tokens"] == 0 and rm["head_parameters"] == d
     assert rm["logits_bytes"] == 4 * (2 * 8 + d * 4)  # the score head's rows and indices, no logits
-    assert rm["trunk_tokens"] == dpo["trunk_tokens"] and rm["activations_bytes"] == dpo["activations_bytes"]
+    assert rm["trunk_tokens"] == 4 * 128  # 2 pairs: 4 rows
 
     rl = ("--batch", "8", "--group-size", "4", "--seq-len", "128", "--prompt-len", "32")
     grpo, ppo = (_cli_json(capsys, "--trainer", t, *rl) for t in ("grpo", "ppo"))

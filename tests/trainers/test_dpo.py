@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -8,12 +9,22 @@ import torch
 from posttrain.algos.preference import PREFERENCE_LOSSES
 from posttrain.cli import main
 from posttrain.config import parse_cli_config
-from posttrain.data.preference_pairs import load_pairs
+from posttrain.data.collate import Batch
+from posttrain.data.preference_pairs import PairRow, load_pairs
+from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError
 from posttrain.errors import ConfigError
 from posttrain.models.hub import load_model
+from posttrain.trainers.packed_groups import PackedGroups
 from posttrain.trainers.preference.dpo import DPOConfig, train_dpo
-from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
+from posttrain.trainers.preference.logps import (
+    by_length,
+    collate_pairs,
+    frozen_pair_logps,
+    packed_length,
+    pair_logps,
+    shares_prompt,
+)
 from tests.trainers.pref_helpers import config, read_metrics, setup_dir, write_jsonl
 
 
@@ -22,15 +33,25 @@ def tiny(tmp_path_factory):
     return setup_dir(tmp_path_factory.mktemp("dpo"))
 
 
-def test_policy_logps_match_transformers_forward(tiny):
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_policy_logps_match_transformers_forward(tiny, layout):
+    """Both layouts of `collate_pairs` against transformers on each row alone: one packed row per pair (the
+    prompt once), and 2B padded rows (what a pair whose rows do not share their prompt takes)."""
     transformers = pytest.importorskip("transformers")
     model_dir, data = tiny
     model, tok = load_model(model_dir)
     cfg = config(DPOConfig, model_dir, data, model_dir / "unused")
     pairs = load_pairs(cfg.data, tok, seed=0).train[:3]
+    assert all(shares_prompt(p) for p in pairs)
+    if layout == "rows":  # a rejected row whose prompt differs in one token: the pair cannot share it
+        first = pairs[0]
+        ids = list(first.rejected.input_ids)
+        ids[0] = (ids[0] + 1) % model.config.vocab_size
+        pairs[0] = dataclasses.replace(first, rejected=dataclasses.replace(first.rejected, input_ids=ids))
     batch = collate_pairs(pairs, tok.pad_token_id)
+    assert isinstance(batch, PackedGroups if layout == "packed" else Batch)
     with torch.no_grad():
-        ours, lengths = sequence_logps(model, batch)
+        ours, lengths = pair_logps(model, batch)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     for i, row in enumerate(rows):
@@ -42,6 +63,30 @@ def test_policy_logps_match_transformers_forward(tiny):
         expected = logp[mask].gather(1, labels[mask][:, None]).sum()
         assert int(lengths[i]) == int(mask.sum())
         torch.testing.assert_close(ours[i], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_pass_over_pairs_sorted_by_length_keeps_each_pairs_logps(tiny):
+    """The reference table is taken in batches of similar length: each pair's entry is its own logps."""
+    model_dir, data = tiny
+    model, tok = load_model(model_dir)
+    cfg = config(DPOConfig, model_dir, data, model_dir / "unused")
+    pairs = load_pairs(cfg.data, tok, seed=0).train[:7]
+    lengths = [packed_length(p) for p in pairs]
+    assert len(set(lengths)) > 1 and lengths != sorted(lengths)  # the sort reorders something
+    chosen, rejected = frozen_pair_logps(model, pairs, 3, tok.pad_token_id)
+    for i, pair in enumerate(pairs):
+        with torch.no_grad():
+            alone = pair_logps(model, collate_pairs([pair], tok.pad_token_id))[0]
+        torch.testing.assert_close(torch.stack([chosen[i], rejected[i]]), alone, rtol=1e-5, atol=1e-4)
+
+
+def test_a_steps_pairs_are_regrouped_by_length_into_the_same_sizes():
+    rows = [
+        PairRow(TokenizedRow([1] * n, [-100] + [1] * (n - 1)), TokenizedRow([1] * n, [-100] + [1] * (n - 1)))
+        for n in (9, 3, 7, 2, 5)
+    ]
+    assert by_length([[0, 1, 2], [3, 4]], rows) == [[3, 1, 4], [2, 0]]
+    assert by_length([[0]], rows) == [[0]]
 
 
 def test_dpo_steps_raise_training_pairwise_accuracy(tiny, tmp_path):

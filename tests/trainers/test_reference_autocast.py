@@ -26,10 +26,11 @@ def _autocast() -> torch.dtype | None:
 
 
 def _record_autocast(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
-    """Wrap the reference's precompute (reference.frozen_logps) and the policy's forward (dpo.sequence_logps) to
-    record the CPU autocast dtype each call runs under."""
+    """Wrap the reference's precompute (reference.frozen_pair_logps; KTO's unpaired rows: frozen_logps) and the
+    policy's forward (dpo.pair_logps) to record the CPU autocast dtype each call runs under."""
     seen: dict[str, list] = {"reference": [], "policy": []}
-    for module, name, key in ((reference, "frozen_logps", "reference"), (dpo, "sequence_logps", "policy")):
+    spied = ((reference, "frozen_pair_logps", "reference"), (reference, "frozen_logps", "reference"))
+    for module, name, key in (*spied, (dpo, "pair_logps", "policy")):
         original = getattr(module, name)
 
         def spy(*args, _original=original, _key=key, **kwargs):

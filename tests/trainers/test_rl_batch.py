@@ -8,7 +8,7 @@ import torch
 from posttrain.engine import LLM, SamplingParams
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import Transformer
-from posttrain.trainers.rl.batch import pack_groups, packed_forward, per_sample_logprobs
+from posttrain.trainers.packed_groups import pack_groups, packed_forward, per_sample_logprobs
 from tests.numeric import assert_reordered
 from tests.trainers.rl_helpers import tiny_model, tokenizer
 

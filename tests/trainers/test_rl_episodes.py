@@ -16,8 +16,8 @@ import torch
 from posttrain.config import load_config
 from posttrain.errors import ConfigError
 from posttrain.rollout.episode_batch import episodes_to_batch
+from posttrain.trainers.packed_groups import pack_groups, packed_forward
 from posttrain.trainers.rl import rl_step, setup_run, train_grpo
-from posttrain.trainers.rl.batch import pack_groups, packed_forward
 from posttrain.trainers.rl.config import GRPOConfig
 from posttrain.trainers.rl.update import prepare_batch
 from tests.data.tiny import tiny_tokenizer

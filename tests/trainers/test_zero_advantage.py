@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from posttrain.config import load_config
+from posttrain.trainers.packed_groups import pack_groups, packed_forward
 from posttrain.trainers.rl import rl_step, setup_run
-from posttrain.trainers.rl.batch import pack_groups, packed_forward
 from posttrain.trainers.rl.config import GRPOConfig
 from posttrain.trainers.rl.zero_advantage import trained_packs, zero_advantage_is_free
 from tests.numeric import assert_reordered

@@ -42,7 +42,7 @@ import torch
 
 from posttrain.algos.preference import PREFERENCE_LOSSES, TIE_TOLERANCE
 from posttrain.checkpoint.resume import open_run
-from posttrain.data.collate import Batch, collate
+from posttrain.data.collate import collate
 from posttrain.data.config import DataConfig
 from posttrain.data.preference_pairs import PairRow, load_pairs
 from posttrain.data.validate import DataError
@@ -59,7 +59,7 @@ from posttrain.trainers.lifecycle import open_checkpointer, pad_token_id, train_
 from posttrain.trainers.loop import batch_stream, seed_everything
 from posttrain.trainers.optim import optimizer_for, optimizer_step
 from posttrain.trainers.preference.kto import KTORun
-from posttrain.trainers.preference.logps import collate_pairs, sequence_logps
+from posttrain.trainers.preference.logps import PairInputs, batches_by_length, by_length, collate_pairs, pair_logps
 from posttrain.trainers.preference.reference import Reference
 from posttrain.trainers.preference.unpaired import is_unpaired, load_unpaired
 from posttrain.trainers.schedule import scheduler_for
@@ -240,15 +240,15 @@ class DPORun:
         if self.reference is not None:
             self.reference.parallel = parallel
 
-    def _policy_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_module(self.parallel, self.model, sequence_logps, batch)
+    def _policy_logps(self, batch: PairInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_module(self.parallel, self.model, pair_logps, batch)
 
     def _forward(
         self, split: str, idx: Sequence[int], grad: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, tuple | None]:
         """(loss, loss metrics, policy logps (2B,), completion lengths (2B,), reference logps or None)."""
         pairs = self.train if split == "train" else self.held
-        batch = collate_pairs([pairs[i] for i in idx], self.pad_id).to(self.model.device)
+        batch = collate_pairs([pairs[i] for i in idx], self.pad_id, self.model.device)
         with torch.set_grad_enabled(grad):
             policy, lengths = self._policy_logps(batch)  # (2B,), (2B,)
         ref = self.reference.logps(split, idx, batch) if self.reference is not None else None
@@ -282,6 +282,7 @@ class DPORun:
             tokens += sum(len(self.train[i].chosen) + len(self.train[i].rejected) for i in idx)
             return loss * len(idx), {}
 
+        micro_batches = by_length(micro_batches, self.train)  # the same pairs, less padding
         if self.parallel is not None:  # this rank's share of every micro-batch; the same count on every rank
             micro_batches = [self.parallel.shard(m) for m in micro_batches]
         # Normalised by the pairs of the step over every rank, so 2 ranks x B/2 pairs give the 1 x B gradient.
@@ -299,9 +300,7 @@ class DPORun:
         self.model.eval()
         sums, nll = _Sums(), {}
         wins, logp_wins = 0.0, 0.0
-        size = self.cfg.train.batch_size
-        for start in range(0, len(self.held), size):
-            idx = list(range(start, min(start + size, len(self.held))))
+        for idx in batches_by_length(self.held, self.cfg.train.batch_size):
             loss, metrics, policy, lengths, ref = self._forward("eval", idx, grad=False)
             sums.add({"loss": loss, **metrics}, len(idx))
             for k, v in _nll_parts(policy, lengths).items():

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from posttrain.data.collate import Batch
 from posttrain.data.preference_pairs import PairRow, mismatched_row
 from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError
@@ -24,7 +23,7 @@ from posttrain.distributed.parallel import Parallel, compute_scope, run_module
 from posttrain.models.transformer import Transformer
 from posttrain.peft import disable_adapters
 from posttrain.trainers.adapters import has_adapters
-from posttrain.trainers.preference.logps import frozen_logps, sequence_logps
+from posttrain.trainers.preference.logps import PairInputs, frozen_logps, frozen_pair_logps, pair_logps
 from posttrain.trainers.preference.unpaired import KTOSplit
 
 
@@ -68,10 +67,8 @@ class Reference:
                 for name, pairs in splits.items():
                     if not pairs:
                         continue
-                    entry = {
-                        "chosen": frozen_logps(policy, [p.chosen for p in pairs], batch_size, pad_token_id),
-                        "rejected": frozen_logps(policy, [p.rejected for p in pairs], batch_size, pad_token_id),
-                    }
+                    chosen, rejected = frozen_pair_logps(policy, pairs, batch_size, pad_token_id)
+                    entry = {"chosen": chosen, "rejected": rejected}
                     if name in self.kl:
                         entry["kl"] = frozen_logps(policy, self.kl[name], batch_size, pad_token_id)
                     self.table[name] = entry
@@ -85,7 +82,7 @@ class Reference:
         return run_module(self.parallel, self.model, fn, *args)
 
     def logps(
-        self, split: str, idx: Sequence[int], batch: Batch
+        self, split: str, idx: Sequence[int], batch: PairInputs
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         device = batch.input_ids.device
         if self.model is None:
@@ -94,7 +91,7 @@ class Reference:
             kl = t["kl"][index].to(device) if "kl" in t else None
             return t["chosen"][index].to(device), t["rejected"][index].to(device), kl
         with torch.no_grad(), self._reference_weights(self.model):
-            both = self._run(lambda m, b: sequence_logps(m, b)[0], batch)  # (2B,)
+            both = self._run(lambda m, b: pair_logps(m, b)[0], batch)  # (2B,)
             kl = None
             if split in self.kl:
                 rows = [self.kl[split][i] for i in idx]

@@ -34,8 +34,8 @@ from posttrain.trainers.adapters import has_adapters, prepare_trainable
 from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.lifecycle import open_checkpointer
 from posttrain.trainers.optim import optimizer_for
+from posttrain.trainers.packed_groups import PackedGroups, packed_forward
 from posttrain.trainers.rl.async_rollout import StepConsumer, StepPrompts, check_async
-from posttrain.trainers.rl.batch import PackedGroups, packed_forward
 from posttrain.trainers.rl.config import (
     ResolvedAlgorithm,
     RLConfig,

@@ -24,7 +24,7 @@ from posttrain.models.moe import moe_blocks, router_loss_and_metrics
 from posttrain.rollout.batch import RolloutBatch
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.optim import optimizer_step
-from posttrain.trainers.rl.batch import PackedGroups, pack_groups
+from posttrain.trainers.packed_groups import PackedGroups, pack_groups
 from posttrain.trainers.rl.metrics import WeightedMeans
 from posttrain.trainers.rl.run import RLRun, policy_forward
 from posttrain.trainers.rl.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.trainers.rl.batch import PackedGroups
+from posttrain.trainers.packed_groups import PackedGroups
 
 
 @dataclass

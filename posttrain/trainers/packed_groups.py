@@ -1,7 +1,8 @@
-"""The training forward over rollout groups, with each group's prompt computed once.
+"""The training forward over groups of completions that share a prompt, with each prompt computed once.
 
-A group is one prompt p (P tokens) and its n sampled completions c_1..c_n. Instead of n rows
-[p, c_j] (the prompt n times), a group is packed into ONE row
+The RL update packs its rollout groups this way, and the preference trainers each pair (a chosen and
+a rejected completion of one prompt: a group of two). A group is one prompt p (P tokens) and its n
+completions c_1..c_n. Instead of n rows [p, c_j] (the prompt n times), a group is packed into ONE row
 
     [ p_0 .. p_{P-1} | c_1[0..L_1-2] | c_2[0..L_2-2] | ... | c_n[0..L_n-2] ]
 
