@@ -55,15 +55,15 @@ def device_kind(name: str) -> DeviceKind:
 
 
 def _attention_pairs(setup: TrainingSetup) -> int:
-    """(query, key) pairs attended in one micro-batch: causal over each right-padded row (sft, rm), or in a
-    packed pair's or group's row (dpo, grpo, ppo) every completion token sees the prompt and its own earlier
-    tokens."""
+    """(query, key) pairs attended in one micro-batch: causal over each right-padded row (sft; rm without a
+    prompt), or in a packed pair's or group's row (dpo, grpo, ppo; rm with a prompt) every completion token
+    sees the prompt and its own earlier tokens."""
     packed = packed_groups(setup)
     if packed is None:
         rows, width = trunk_tokens(setup)
         return rows * width * (width + 1) // 2
-    rows, completions = packed
-    p, c = setup.prompt_len, setup.completion_len - 1  # c: a completion's input tokens
+    rows, completions, c = packed  # c: a completion's input tokens
+    p = setup.prompt_len
     per_completion = c * p + c * (c + 1) // 2
     return rows * (p * (p + 1) // 2 + completions * per_completion)
 

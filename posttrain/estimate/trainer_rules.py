@@ -23,7 +23,7 @@ SFT_LOSS_CHUNK_ROWS = 1024  # chunked_cross_entropy's default chunk (the SFT los
 LOGPROB_CHUNK_TOKENS = 256  # token_logprobs' DEFAULT_CHUNK_TOKENS (the DPO and RL losses)
 INT64, FP32, BOOL = 8, 4, 1  # bytes of the index, float and flag vectors the heads keep
 
-Layout = Literal["rows", "pairs", "packed_pairs", "groups"]
+Layout = Literal["rows", "scored_pairs", "packed_pairs", "groups"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class TrainerRules:
     """How one trainer runs a micro-batch through the model (see the module docstring)."""
 
     batch: str  # what --batch counts, for the CLI's help
-    # rows: B rows; pairs: 2B rows, chosen then rejected; packed_pairs: one packed row per pair (a group of two);
+    # rows: B rows; scored_pairs (rm): one packed row per pair, each sequence whole after the shared prompt, or
+    # with no prompt 2B rows, chosen then rejected; packed_pairs (dpo): one packed row per pair (a group of two);
     # groups: one packed row per group of group_size samples
     layout: Layout
     lm_head: bool  # the target positions go through the LM head (RM scores with its own head instead)
@@ -79,31 +80,36 @@ def rules(setup: TrainingSetup) -> TrainerRules:
 
 def sequences(setup: TrainingSetup) -> int:
     """Sequences in one micro-batch: B, or 2B for preference pairs (a chosen and a rejected completion each)."""
-    return setup.batch * (2 if rules(setup).layout in ("pairs", "packed_pairs") else 1)
+    return setup.batch * (2 if rules(setup).layout in ("scored_pairs", "packed_pairs") else 1)
 
 
-def packed_groups(setup: TrainingSetup) -> tuple[int, int] | None:
-    """(rows, completions per row) when each row packs a prompt with several completions, else None."""
+def packed_groups(setup: TrainingSetup) -> tuple[int, int, int] | None:
+    """(rows, completions per row, input tokens per completion) when each row packs a prompt with several
+    completions, else None. A completion's last token is no input where nothing is predicted from it (dpo,
+    grpo, ppo); rm reads its score there, so its sequences go in whole (and pack only with a prompt)."""
     layout = rules(setup).layout
     if layout == "packed_pairs":
-        return setup.batch, 2
+        return setup.batch, 2, setup.completion_len - 1
+    if layout == "scored_pairs" and setup.prompt_len > 0:
+        return setup.batch, 2, setup.completion_len
     if layout == "groups":
-        return math.ceil(setup.batch / setup.group_size), min(setup.group_size, setup.batch)
+        return math.ceil(setup.batch / setup.group_size), min(setup.group_size, setup.batch), setup.completion_len - 1
     return None
 
 
 def trunk_tokens(setup: TrainingSetup) -> tuple[int, int]:
     """(rows, row width) of one micro-batch through the decoder.
 
-    sft: B right-padded rows of seq_len. rm (reward_model.pair_scores): the B chosen rows then the B rejected
-    rows, right-padded to the longest of all 2B, in ONE forward. dpo (preference.logps.collate_pairs) and grpo,
-    ppo (posttrain.trainers.packed_groups): each pair / group of group_size samples is ONE row, the prompt once
-    and then every completion without its last token."""
+    sft: B right-padded rows of seq_len. dpo (preference.logps.collate_pairs) and grpo, ppo
+    (posttrain.trainers.packed_groups): each pair / group of group_size samples is ONE row, the prompt once and
+    then every completion without its last token. rm (reward_model.pair_scores): each pair ONE row, the
+    shared prompt once and then both sequences' rests whole; with no prompt the B chosen rows then the B
+    rejected rows, right-padded to the longest of all 2B. One forward either way."""
     packed = packed_groups(setup)
     if packed is None:
         return sequences(setup), setup.seq_len
-    rows, completions = packed
-    return rows, setup.prompt_len + completions * (setup.completion_len - 1)
+    rows, completions, inputs = packed
+    return rows, setup.prompt_len + completions * inputs
 
 
 def logit_tokens(setup: TrainingSetup) -> int:
@@ -161,13 +167,14 @@ def dpo_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
 
 
 def rm_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
-    """posttrain.trainers.reward_model.RewardModel.forward: each row's last real state, cast to fp32, times
-    the fp32 score head. No LM head, no logits.
+    """posttrain.trainers.reward_model.RewardModel: each sequence's last real state, cast to fp32, times the
+    fp32 score head. No LM head, no logits.
 
-    Kept: the advanced index's two int64 (2B,) vectors (row, position) and the (2B, d) fp32 rows (the head's
-    input, for its weight's gradient). Nothing larger exists at backward."""
-    rows, _ = trunk_tokens(setup)
-    return LossHead(rows * (2 * INT64 + arch.hidden * FP32), 0)
+    Kept: the (2B, d) fp32 states (the head's input, for its weight's gradient) and the index that picks them:
+    index_select's int64 (2B,) over packed rows (RewardModel.packed), or the advanced index's two over 2B
+    rows (forward). Nothing larger exists at backward."""
+    indices = 1 if packed_groups(setup) is not None else 2
+    return LossHead(sequences(setup) * (indices * INT64 + arch.hidden * FP32), 0)
 
 
 def rl_head(arch: Architecture, setup: TrainingSetup) -> LossHead:
@@ -197,7 +204,7 @@ SAMPLES = "samples (completions), --group-size of them to one packed row"
 TRAINERS: dict[Trainer, TrainerRules] = {
     "sft": TrainerRules("sequences", "rows", True, sft_head),
     "dpo": TrainerRules(PAIRS, "packed_pairs", True, dpo_head, reference_pass=True),
-    "rm": TrainerRules(PAIRS, "pairs", False, rm_head, ScalarHead(bias=False, fp32=True, per_target=False)),
+    "rm": TrainerRules(PAIRS, "scored_pairs", False, rm_head, ScalarHead(bias=False, fp32=True, per_target=False)),
     "grpo": TrainerRules(SAMPLES, "groups", True, rl_head, rollout=True, reference_pass=True),
     "ppo": TrainerRules(
         SAMPLES,

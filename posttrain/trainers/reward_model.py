@@ -12,7 +12,11 @@ head must learn); `final/` is then the PEFT adapter plus `score.safetensors`. `p
 the base gives the trunk as an HF directory; with `score.safetensors` copied next to it, that directory is
 the reward model.
 
-Chosen and rejected sequences of a micro-batch go through one forward (2B right-padded rows).
+Chosen and rejected sequences of a micro-batch go through one forward. A pair whose two sequences start
+with the same tokens (the prompt, as a rule) is packed into one row, those tokens once and then each
+sequence's rest, attending to the shared start and to itself only (posttrain.trainers.packed_groups, as
+the DPO and RL trainers do); a micro-batch with a pair that shares nothing goes as 2B right-padded rows.
+Either way a sequence's score is its own last state's, at the positions it has alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from posttrain.distributed.config import DistSection
 from posttrain.distributed.env import all_reduce_count, barrier, is_main, reduce_metrics
 from posttrain.distributed.parallel import Parallel, run_module
 from posttrain.distributed.processes import join_processes
+from posttrain.models.attention_metadata import DenseAttentionMetadata
 from posttrain.models.transformer import Transformer
 from posttrain.peft import LoraConfig
 from posttrain.rewards.model_reward import save_score_head, tokenize_pair_for_scoring
@@ -43,6 +48,7 @@ from posttrain.trainers.faults import BadStepGuard
 from posttrain.trainers.lifecycle import open_checkpointer, pad_token_id, train_and_evaluate, write_data_report
 from posttrain.trainers.loop import batch_stream, seed_everything
 from posttrain.trainers.optim import optimizer_for, optimizer_step
+from posttrain.trainers.packed_groups import PackedGroups, pack_groups
 from posttrain.trainers.schedule import scheduler_for
 from posttrain.trainers.sections import LogSection, ModelSection, OptimSection, TrainSection
 
@@ -86,6 +92,43 @@ class RewardModel(nn.Module):
             last.float(), self.head.weight.float(), None if self.head.bias is None else self.head.bias.float()
         ).squeeze(-1)
 
+    def packed(self, pack: PackedGroups) -> torch.Tensor:
+        """Scores (S,) in float32 of the S sequences of `pack_sequences`' rows, in its sample order."""
+        hidden = self.trunk.hidden_states(
+            pack.input_ids, positions=pack.positions, attn_meta=DenseAttentionMetadata(pack.mask)
+        )  # (R, T, d)
+        lengths = pack.completion_mask.sum(1).long()  # (S,) each sequence's rest + the placeholder
+        last = pack.token_index == lengths[pack.sample_index] - 1  # (N,) the placeholder of each sequence
+        index = torch.empty_like(lengths).index_put_((pack.sample_index[last],), pack.gather_index[last])  # (S,)
+        states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)  # (S, d) each sequence's last state
+        return nn.functional.linear(
+            states.float(), self.head.weight.float(), None if self.head.bias is None else self.head.bias.float()
+        ).squeeze(-1)
+
+
+def shared_start(pair: PairRow) -> int:
+    """Leading tokens the pair's two sequences share and can share in a packed row: each keeps at least its last
+    token of its own (its score is read there). 0: the pair does not pack."""
+    chosen, rejected = pair.chosen.input_ids, pair.rejected.input_ids
+    limit = min(len(chosen), len(rejected)) - 1
+    shared = 0
+    while shared < limit and chosen[shared] == rejected[shared]:
+        shared += 1
+    return shared
+
+
+def pack_sequences(pairs: list[PairRow], device: torch.device | str) -> PackedGroups | None:
+    """One packed row per pair: the shared start, then each sequence's rest. pack_groups scores every completion
+    token from the state before it, so a placeholder appended to each rest is "predicted" from the sequence's
+    last real token: its state is the one the score reads. Samples: chosen_0, rejected_0, chosen_1, ... None
+    when some pair shares no token."""
+    starts = [shared_start(p) for p in pairs]
+    if min(starts) == 0:
+        return None
+    prompts = [p.chosen.input_ids[:s] for p, s in zip(pairs, starts)]
+    rests = [[row.input_ids[s:] + [0] for row in (p.chosen, p.rejected)] for p, s in zip(pairs, starts)]
+    return pack_groups(prompts, rests, device)
+
 
 def new_score_head(hidden_size: int, device: torch.device | str) -> nn.Linear:
     """nn.Linear(d, 1) in fp32 without bias, N(0, 1/(d+1)) init (as TRL's reward modelling does)."""
@@ -99,6 +142,10 @@ def pair_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen scores (B,), rejected scores (B,)) from one forward over the 2B sequences (through `parallel`'s
     DDP / FSDP2 hooks when given: under FSDP2 trunk and head are whole only inside them)."""
+    pack = pack_sequences(pairs, rm.trunk.device)
+    if pack is not None:
+        scores = run_module(parallel, rm.trunk, lambda _trunk, p: rm.packed(p), pack)  # (2B,) pair by pair
+        return scores[0::2], scores[1::2]
     batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id).to(rm.trunk.device)
     lengths = batch.attention_mask.sum(1)  # (2B,)
     scores = run_module(parallel, rm.trunk, lambda _trunk, ids, n: rm(ids, n), batch.input_ids, lengths)  # (2B,)

@@ -224,6 +224,19 @@ def _measure_rm(model: Transformer) -> tuple[int, TrainingSetup]:
     return measured - 2 * 4 * 2, TrainingSetup(trainer="rm", batch=2, seq_len=12)
 
 
+def _measure_rm_packed(model: Transformer) -> tuple[int, TrainingSetup]:
+    """pair_scores over two pairs whose sequences share their first 5 tokens: one packed row each."""
+    from posttrain.algos.reward import bradley_terry_loss
+    from posttrain.trainers.reward_model import RewardModel, new_score_head, pack_sequences, pair_scores
+
+    rm = RewardModel(model, new_score_head(64, "cpu"))
+    pairs = [PairRow(_row(5, 7, first), _row(5, 7, first)) for first in (1, 50)]
+    pairs = [PairRow(p.chosen, TokenizedRow(p.chosen.input_ids[:5] + [90] * 7, [-100] * 12)) for p in pairs]
+    assert pack_sequences(pairs, "cpu") is not None
+    measured = _saved_bytes(rm, lambda: bradley_terry_loss(*pair_scores(rm, pairs, 0)))
+    return measured - 2 * 4 * 2, TrainingSetup(trainer="rm", batch=2, seq_len=12, prompt_len=5)
+
+
 def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
     """packed_forward as the update calls it (entropy as a metric; PPO with its value head). The policy and
     value losses on the (B, L) outputs are not counted (docs/estimate.md says what they keep)."""
@@ -240,7 +253,7 @@ def _measure_rl(model: Transformer, trainer: str) -> tuple[int, TrainingSetup]:
 @pytest.mark.parametrize(
     "method, dtype", [("full", "float32"), ("lora", "float32"), ("full", "bfloat16"), ("lora", "bfloat16")]
 )
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "rm", "grpo", "ppo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rm", "rm_packed", "grpo", "ppo"])
 def test_trainer_forward_keeps_activations_plus_loss_head(trainer: str, method: str, dtype: str) -> None:
     """Each trainer's own loss forward on a tiny model: the estimator's activations plus the loss head's kept
     tensors are exactly the bytes autograd saves (the loss's per-pair scalars aside, see _measure_dpo)."""
@@ -248,7 +261,8 @@ def test_trainer_forward_keeps_activations_plus_loss_head(trainer: str, method: 
     if trainer in ("grpo", "ppo"):
         measured, shape = _measure_rl(model, trainer)
     else:
-        measured, shape = {"sft": _measure_sft, "dpo": _measure_dpo, "rm": _measure_rm}[trainer](model)
+        measures = {"sft": _measure_sft, "dpo": _measure_dpo, "rm": _measure_rm, "rm_packed": _measure_rm_packed}
+        measured, shape = measures[trainer](model)
     setup = TrainingSetup(**{**vars(shape), "method": method, "lora_r": 4, "dtype": dtype})
     assert activations_bytes(TINY, setup) + loss_head(TINY, setup).saved == measured
 
@@ -417,8 +431,10 @@ def test_cli_dpo_rm_ppo(capsys: pytest.CaptureFixture[str], default_model_dir: o
     rm = _cli_json(capsys, "--trainer", "rm", *shape)
     d = 576  # SmolLM2-135M's hidden size
     assert rm["logit_tokens"] == 0 and rm["head_parameters"] == d
-    assert rm["logits_bytes"] == 4 * (2 * 8 + d * 4)  # the score head's rows and indices, no logits
-    assert rm["trunk_tokens"] == 4 * 128  # 2 pairs: 4 rows
+    assert rm["logits_bytes"] == 4 * (8 + d * 4)  # the score head's rows and their index, no logits
+    assert rm["trunk_tokens"] == 2 * (32 + 2 * 96)  # 2 pairs: 2 packed rows, each sequence whole after the prompt
+    unpacked = _cli_json(capsys, "--trainer", "rm", "--batch", "2", "--seq-len", "128")  # no prompt: 4 rows
+    assert unpacked["trunk_tokens"] == 4 * 128 and unpacked["logits_bytes"] == 4 * (2 * 8 + d * 4)
 
     rl = ("--batch", "8", "--group-size", "4", "--seq-len", "128", "--prompt-len", "32")
     grpo, ppo = (_cli_json(capsys, "--trainer", t, *rl) for t in ("grpo", "ppo"))

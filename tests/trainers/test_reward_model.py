@@ -1,13 +1,26 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from posttrain.algos.reward import bradley_terry_loss
 from posttrain.cli import main
+from posttrain.data.preference_pairs import PairRow, load_pairs
+from posttrain.data.tokenize import TokenizedRow
 from posttrain.data.validate import DataError
-from posttrain.rewards.model_reward import RewardModelScorer
-from posttrain.trainers.reward_model import RMConfig, train_reward_model
+from posttrain.models.hub import load_model
+from posttrain.rewards.model_reward import RewardModelScorer, tokenize_pair_for_scoring
+from posttrain.trainers.reward_model import (
+    RewardModel,
+    RMConfig,
+    new_score_head,
+    pack_sequences,
+    pair_scores,
+    shared_start,
+    train_reward_model,
+)
 from tests.trainers.pref_helpers import config, pair_rows, read_metrics, setup_dir, write_jsonl
 
 
@@ -70,3 +83,34 @@ def test_rm_held_out_eval_and_cli(tmp_path):
     cfg = config(RMConfig, model_dir, bad, tmp_path / "bad", "data.format=preference")
     with pytest.raises(DataError, match=r"bad\.jsonl:1: missing field 'chosen'"):
         train_reward_model(cfg)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_packed_pair_scores_equal_each_sequence_scored_alone(tmp_path, share):
+    """A pair packed into one row (the shared start once) scores each sequence as a row of its own would; a
+    micro-batch with a pair that shares nothing takes 2B padded rows, with the same scores."""
+    model_dir, data = setup_dir(tmp_path)
+    model, tok = load_model(model_dir)
+    rm = RewardModel(model, new_score_head(model.config.hidden_size, "cpu")).eval()
+    cfg = config(RMConfig, model_dir, data, tmp_path / "unused")
+    pairs = load_pairs(cfg.data, tok, 0, tokenize=tokenize_pair_for_scoring).train[:4]
+    assert all(shared_start(p) > 0 for p in pairs)
+    if not share:
+        first = pairs[0]
+        ids = [(first.rejected.input_ids[0] + 1) % model.config.vocab_size, *first.rejected.input_ids[1:]]
+        pairs[0] = dataclasses.replace(first, rejected=dataclasses.replace(first.rejected, input_ids=ids))
+    assert (pack_sequences(pairs, "cpu") is not None) == share
+    with torch.no_grad():
+        chosen, rejected = pair_scores(rm, pairs, tok.pad_token_id)
+        for i, pair in enumerate(pairs):
+            for got, row in ((chosen[i], pair.chosen), (rejected[i], pair.rejected)):
+                alone = rm(torch.tensor([row.input_ids]), torch.tensor([len(row)]))[0]
+                torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_start_leaves_each_sequence_its_last_token():
+    rows = [TokenizedRow(ids, [-100] * len(ids)) for ids in ([1, 2, 3], [1, 2, 3, 4], [1, 2], [5, 2, 3])]
+    assert shared_start(PairRow(rows[0], rows[1])) == 2  # the shorter keeps its last token
+    assert shared_start(PairRow(rows[0], rows[0])) == 2
+    assert shared_start(PairRow(rows[2], rows[0])) == 1
+    assert shared_start(PairRow(rows[0], rows[3])) == 0  # nothing shared: the pair does not pack
