@@ -108,7 +108,11 @@ class Bf16Weights:
         return LinearMode(self.linear)
 
     def copy_of(self, weight: torch.Tensor) -> torch.Tensor:
-        """The current bf16 copy of `weight` (made, or remade when the weight changed since)."""
+        """The current bf16 copy of `weight` (made, or remade when the weight changed since). A weight made inside
+        the forward (an inference tensor: a quantized layer's dequantized weight) has no version to watch and
+        lives for one call: its copy is made for that call and not kept."""
+        if weight.is_inference():
+            return weight.to(torch.bfloat16, memory_format=torch.contiguous_format)
         entry = self._copies.get(id(weight))
         if (
             entry is not None

@@ -19,6 +19,7 @@ from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.config import EngineConfig, EngineConfigError
 from posttrain.errors import PosttrainError
 from posttrain.hardware import FEATURES_ENV
+from posttrain.quant import linear as quant_linear
 from tests.engine.tiny import CharTokenizer, make_llm, tiny_model
 
 AVX2 = "avx avx2 fma"
@@ -223,3 +224,24 @@ def test_the_c_kernels_and_the_pytorch_path_agree_in_bf16():
         largest_logit = max(model(torch.tensor([t])).abs().max().item() for t in tokens)
     tolerance = 2 * bf16_logit_tolerance(model, largest_logit)
     assert max(abs(a - b) for ra, rb in zip(native, plain) for a, b in zip(ra, rb)) <= tolerance
+
+
+def test_a_weight_made_inside_the_forward_is_copied_for_its_call_and_not_kept():
+    """A quantized layer on the reference kernel dequantizes its weight in the forward, under the engine's
+    inference mode: such a weight has no version counter to watch, so its bf16 copy is not kept."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 40)
+    with torch.inference_mode():
+        weight = torch.randn(24, 40)
+    copies = Bf16Weights()
+    expected = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+    assert torch.equal(copies.linear(x, weight, None), expected)
+    assert copies.num_held == 0
+
+
+def test_a_bf16_engine_runs_a_quantized_model_on_the_reference_kernel(monkeypatch):
+    monkeypatch.setattr(quant_linear, "KERNEL_ORDER", ("reference",))
+    model = quant_linear.quantize_model(tiny_model(), "int8")
+    llm = make_llm(model, compute_dtype="bfloat16")
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
