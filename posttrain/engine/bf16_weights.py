@@ -10,9 +10,9 @@ path bit for bit); `float32` / `bfloat16` ask for one, and only bf16 over fp32 w
 weights'.
 
 `Bf16Weights.scope()` is a TorchFunctionMode around the runner's forward, like packed_weights.py's: every
-`F.linear` over an fp32 weight (nn.Linear, LoRA's base and adapter layers, the LM head) runs as
-F.linear(x in bf16, the weight's bf16 copy) - oneDNN's bf16 GEMM, which accumulates in fp32 - and hands back
-fp32. So everything between the linear layers stays fp32 (the residual stream, RMSNorm, RoPE, the attention's
+`F.linear` over an fp32 weight (nn.Linear, LoRA's base and adapter layers, the LM head) runs as x in bf16 times
+the weight's bf16 copy, accumulated in fp32, and hands back fp32: with the native kernels through bf16_linear.c
+over a packed copy (1.3-4x oneDNN's GEMM at the engine's sizes), else oneDNN's bf16 GEMM over a row-major one. So everything between the linear layers stays fp32 (the residual stream, RMSNorm, RoPE, the attention's
 softmax, SwiGLU's product; the fused C kernels of posttrain.kernels run unchanged), the LM head's bf16 logits come
 back as fp32 and the log-softmax runs in fp32. A bias is added in fp32 after the product.
 
@@ -40,10 +40,6 @@ from posttrain.hardware import auto_dtype
 logger = logging.getLogger("posttrain.engine")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineConfig.compute_dtype but auto
-# Inputs of at most this many rows take bf16_linear.c rather than oneDNN: over 56 SmolLM2 decoder weights on an
-# AVX512-BF16 EPYC (2 threads) 4 / 8 / 12 / 16 / 24 rows took 3.6 / 5.0 / 6.7 / 8.2 / 10.5 ms, oneDNN 6.4 / 7.3 /
-# 8.0 / 8.7 / 9.3.
-NATIVE_MAX_ROWS = 16
 
 
 def resolve_compute_dtype(setting: str, weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -85,12 +81,13 @@ class _Copy:
 class Bf16Weights:
     """bf16 copies of the fp32 weights that F.linear meets inside `scope()`, keyed by the weight tensor."""
 
-    def __init__(self, native_rows: int = 0) -> None:
-        """`native_rows`: inputs of at most this many rows go through posttrain's bf16 matrix-vector kernel
-        (bf16_linear.c, all threads; oneDNN runs such a product on one), more through oneDNN's GEMM; 0: always
-        oneDNN. The two differ in the order of each fp32 sum only, before the output's rounding to bf16."""
+    def __init__(self, packed: bool = False) -> None:
+        """`packed`: copies in bf16_linear.c's packed layout and every product through that kernel (the native
+        kernels' bf16 GEMM, 1.3-4x oneDNN's at the engine's sizes, and what the native decode step reads); else
+        row-major copies and oneDNN's GEMM. The two differ in the order of each fp32 sum only, before the output's
+        rounding to bf16."""
         self._copies: dict[int, _Copy] = {}
-        self.native_rows = native_rows
+        self.packed = packed
         self.num_copies_made = 0  # copies made so far, the remade ones included (tests and stats)
 
     def clear(self) -> None:
@@ -112,7 +109,7 @@ class Bf16Weights:
         the forward (an inference tensor: a quantized layer's dequantized weight) has no version to watch and
         lives for one call: its copy is made for that call and not kept."""
         if weight.is_inference():
-            return weight.to(torch.bfloat16, memory_format=torch.contiguous_format)
+            return self._copy(weight)
         entry = self._copies.get(id(weight))
         if (
             entry is not None
@@ -121,21 +118,29 @@ class Bf16Weights:
             and entry.data_ptr == weight.data_ptr()
         ):
             return entry.copy
-        copy = weight.detach().to(torch.bfloat16, memory_format=torch.contiguous_format)
+        copy = self._copy(weight)
         self._copies[id(weight)] = _Copy(weakref.ref(weight), weight._version, weight.data_ptr(), copy)
         self.num_copies_made += 1
         return copy
+
+    def _copy(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return kernels.bf16_pack(weight)  # (ceil(N / 64), ceil(K / 2), 64, 2)
+        return weight.detach().to(torch.bfloat16, memory_format=torch.contiguous_format)  # (N, K)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """F.linear(x, weight, bias) in bf16 with an fp32 result, or None where this call does not qualify."""
         if not _qualifies(x, weight):
             return None
-        rows = x.numel() // x.shape[-1]
-        if 0 < rows <= self.native_rows and (bias is None or bias.dtype == torch.float32):
-            out = kernels.bf16_linear(x.reshape(rows, x.shape[-1]), self.copy_of(weight), bias)  # (rows, N)
-            return out.view(*x.shape[:-1], weight.shape[0])
-        out = F.linear(x.to(torch.bfloat16), self.copy_of(weight)).float()  # (..., N)
-        return out if bias is None else out.add_(bias)
+        fp32_bias = None
+        if self.packed:
+            rows, out_features = x.numel() // x.shape[-1], weight.shape[0]
+            fp32_bias = bias if bias is not None and bias.dtype == torch.float32 else None  # added by the kernel
+            out = kernels.bf16_linear(x.reshape(rows, x.shape[-1]), self.copy_of(weight), out_features, fp32_bias)
+            out = out.view(*x.shape[:-1], out_features)
+        else:
+            out = F.linear(x.to(torch.bfloat16), self.copy_of(weight)).float()  # (..., N)
+        return out if bias is None or bias is fp32_bias else out.add_(bias)
 
 
 def _qualifies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -15,9 +15,8 @@ Anything else (LoRA wrappers, long prompts, more rows) takes the module path.
 
 bf16 compute (EngineConfig.compute_dtype, bf16 over fp32 weights): the step runs the engine's bf16 copies of the
 `nn.Linear` weights (bf16_weights.py; taken through `Bf16Weights.copy_of`, so a copy an optimizer step made stale is
-remade before the step reads it) with bf16_linear.c, and writes and reads the bf16 K/V pool. Its linear layers sum
-in another order than oneDNN's bf16 GEMM, so a bf16 step is the module path's to within fp32 rounding before each
-output's rounding to bf16, not bit for bit (tested).
+remade before the step reads it) with bf16_linear.c, the kernel the module path's linear layers run too, and
+writes and reads the bf16 K/V pool.
 
 A step of one new token per sequence attends with the module path's own plan: the result is bit for bit the module
 path's. A step with several new tokens per sequence (a speculative check: the last token and k drafts; a prompt of a
@@ -154,7 +153,10 @@ class NativeDecode:
     """Runs the runner's decode steps of up to MAX_ROWS sequences in one native call where it can."""
 
     def __init__(self, model: Transformer, bf16_weights: Bf16Weights | None = None) -> None:
-        """`bf16_weights`: the runner's bf16 copies when the engine computes in bf16 over the fp32 weights."""
+        """`bf16_weights`: the runner's bf16 copies when the engine computes in bf16 over the fp32 weights (packed:
+        decode_step.c reads bf16_linear.c's layout)."""
+        if bf16_weights is not None and not bf16_weights.packed:
+            raise ValueError("the native decode step reads packed bf16 copies: Bf16Weights(packed=True)")
         self.model = model
         self.bf16 = bf16_weights
         self._table: _Table | None = None

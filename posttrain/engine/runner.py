@@ -16,7 +16,6 @@ from posttrain import kernels
 from posttrain.cpu_malloc import current_malloc_policy, malloc_policy, set_malloc_policy, zeroed_pages
 from posttrain.engine import native_decode, packed_weights
 from posttrain.engine.attention_backend import resolve_attention_backend
-from posttrain.engine.bf16_weights import NATIVE_MAX_ROWS as BF16_NATIVE_ROWS
 from posttrain.engine.bf16_weights import Bf16Weights
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
@@ -102,10 +101,10 @@ class ModelRunner:
         # In fp32 on CPU with the native kernels: a few input rows through their matrix-vector kernel
         # (posttrain/engine/small_rows_linear.py).
         self.small_rows_native = self._small_rows_native()
-        # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py).
-        # A few rows (batch-1 and small-batch decode, the LM head after the native step) through bf16_linear.c.
-        native_rows = BF16_NATIVE_ROWS if self._native_kernels_over_fp32() else 0
-        self.bf16_weights = Bf16Weights(native_rows) if self.compute_dtype != self.dtype else None
+        # bf16 over fp32 weights: bf16 copies of the linear weights (posttrain/engine/bf16_weights.py), packed for
+        # bf16_linear.c with the native kernels.
+        packed = self._native_kernels_over_fp32()
+        self.bf16_weights = Bf16Weights(packed) if self.compute_dtype != self.dtype else None
         # fp32 weights on CPU with the native kernels, computed in fp32 or bf16: decode steps of a few sequences
         # through one native call for the whole decoder (posttrain/engine/native_decode.py), where the model's
         # structure allows it.

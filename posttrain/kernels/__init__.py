@@ -95,6 +95,7 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "f32_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "bf16_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
     "round_to_bf16": [_ptr, _ptr, _i64],
+    "bf16_pack": [_ptr, _ptr, _i64, _i64, _int],
     "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
 }
 
@@ -283,21 +284,44 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
     return y
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) fp32 rounded to bf16, times weight (N, K) bf16, summed in fp32, rounded to bf16, as fp32 (M, N),
-    plus an fp32 bias (N,) (bf16_linear.c: the native decode step's bf16 layer)."""
-    x, weight = x.contiguous(), weight.contiguous()
+BF16_PACK_COLS = 64  # outputs per block of bf16_linear.c's packed layout
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight (N, K) rounded to bf16 (to nearest even, as torch's cast) in bf16_linear.c's packed layout:
+    (ceil(N / 64), ceil(K / 2), 64, 2), element [b, p, j, t] = weight[64 b + j, 2 p + t], zeros past N and K."""
+    weight = weight.detach().contiguous()
+    N, K = weight.shape
+    blocks, pairs = -(-N // BF16_PACK_COLS), -(-K // 2)
+    packed = torch.empty(blocks, pairs, BF16_PACK_COLS, 2, dtype=torch.bfloat16)
+    library().bf16_pack(weight.data_ptr(), packed.data_ptr(), N, K, torch.get_num_threads())
+    return packed
+
+
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (M, K) fp32 rounded to bf16, times the weight (out_features, K) that bf16_pack packed, summed in fp32,
+    rounded to bf16, as fp32 (M, out_features), plus an fp32 bias (out_features,) (bf16_linear.c)."""
+    x = x.contiguous()
     M, K = x.shape
-    y = torch.empty(M, weight.shape[0], dtype=torch.float32)
-    x16 = torch.empty(M, K, dtype=torch.bfloat16)  # the kernel's scratch for the rounded inputs
+    blocks, pairs = -(-out_features // BF16_PACK_COLS), -(-K // 2)
+    if (
+        tuple(packed.shape) != (blocks, pairs, BF16_PACK_COLS, 2)
+        or packed.dtype != torch.bfloat16
+        or not packed.is_contiguous()
+    ):
+        raise ValueError(f"a packed bf16 weight of {out_features} x {K} is ({blocks}, {pairs}, 64, 2) bf16")
+    y = torch.empty(M, out_features, dtype=torch.float32)
+    x16 = torch.empty(M, 2 * pairs, dtype=torch.bfloat16)  # the kernel's scratch for the rounded inputs
     bias = bias.contiguous() if bias is not None else None
     library().bf16_linear(
         x.data_ptr(),
-        weight.data_ptr(),
+        packed.data_ptr(),
         bias.data_ptr() if bias is not None else None,
         y.data_ptr(),
         M,
-        weight.shape[0],
+        out_features,
         K,
         x16.data_ptr(),
         torch.get_num_threads(),

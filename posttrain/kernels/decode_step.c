@@ -21,13 +21,12 @@
  *
  * A linear layer is fp32 (group 0), weight-only int8 (codes with `group` codes per scale, >= K: one per row),
  * q8_0 (int8 codes and activations by 32: q8_linear.c) or bf16 (group BF16_WEIGHT: the engine's bf16 copy of an
- * fp32 weight, bf16_linear.c), with an fp32 bias or none; an int8 layer's bias is added after its product, as
+ * fp32 weight packed by bf16_pack, bf16_linear.c), with an fp32 bias or none; an int8 layer's bias is added after its product, as
  * QuantizedLinear does.
  *
  * The engine's bf16 compute (kv_bf16): the K/V pool is bf16, so k and v are rounded to bf16 (round to nearest
  * even, as the module path's cast) before they are written, and the attention reads the bf16 pool. The linear
- * layers' sums are then in another order than oneDNN's bf16 GEMM (within fp32 rounding of it, before each output's
- * rounding to bf16), so a bf16 step is close to the module path's, not bit for bit.
+ * layers are bf16_linear.c, as on the module path with the native kernels.
  */
 
 #include <stddef.h>
@@ -65,7 +64,7 @@ void paged_decode_attention_bf16(const float* q, const uint16_t* cache, float* o
                                  int threads);
 
 typedef struct {
-    const void* weight;  /* fp32 (N, K), int8 codes (N, K) or bf16 (N, K) */
+    const void* weight;  /* fp32 (N, K), int8 codes (N, K) or bf16 packed by bf16_pack */
     const float* scales; /* int8: (N, ceil(K / group)) fp32; NULL for fp32 */
     const float* bias;   /* (N,) fp32 or NULL */
     int64_t out_features, in_features;

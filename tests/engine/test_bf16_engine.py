@@ -106,22 +106,24 @@ def test_bf16_linear_is_the_bf16_product_in_fp32(bias: bool):
 
 
 @pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
-def test_a_few_rows_take_the_native_bf16_kernel_and_more_take_onednn():
-    """Up to `native_rows` input rows (batch-1 decode, the LM head after the native step) go through bf16_linear.c
-    with all threads, more through oneDNN's GEMM; the runner turns the route on with the native kernels only."""
+def test_packed_copies_take_the_native_kernel_at_every_size():
+    """With the native kernels the copies are packed and every product, one row or a prefill's many, goes through
+    bf16_linear.c (a bias in fp32 after it); the runner packs with the native kernels only."""
     torch.manual_seed(0)
     weight, b = torch.randn(48, 64), torch.randn(48)
-    copies = Bf16Weights(native_rows=4)
-    few, many = torch.randn(2, 2, 64), torch.randn(5, 64)  # 4 rows (leading dims flattened), then 5
-    out = copies.linear(few, weight, b)
-    assert out.shape == (2, 2, 48)
-    assert torch.equal(out, kernels.bf16_linear(few.reshape(4, 64), weight.bfloat16(), b).view(2, 2, 48))
-    onednn = F.linear(many.to(torch.bfloat16), weight.to(torch.bfloat16)).float() + b
-    assert torch.equal(copies.linear(many, weight, b), onednn)
-    assert copies.num_held == 1  # one copy serves both routes
-    assert make_llm(tiny_model(), compute_dtype="bfloat16").engine.runner.bf16_weights.native_rows > 0
+    copies = Bf16Weights(packed=True)
+    for x in (torch.randn(2, 2, 64), torch.randn(300, 64)):  # leading dims flattened; more rows than a chunk
+        rows = x.numel() // 64
+        out = copies.linear(x, weight, b)
+        assert out.shape == (*x.shape[:-1], 48)
+        want = kernels.bf16_linear(x.reshape(rows, 64), kernels.bf16_pack(weight), 48, b).view(*x.shape[:-1], 48)
+        assert torch.equal(out, want)
+    assert copies.num_held == 1 and copies.bytes_held == 64 * 64 * 2  # one packed copy, 48 outputs padded to 64
+    half_bias = copies.linear(torch.randn(3, 64), weight, b.bfloat16())  # a bf16 bias: added after, as F.linear
+    assert half_bias.dtype == torch.float32 and half_bias.shape == (3, 48)
+    assert make_llm(tiny_model(), compute_dtype="bfloat16").engine.runner.bf16_weights.packed
     plain = make_llm(tiny_model(), compute_dtype="bfloat16", cpu_kernels=False)
-    assert plain.engine.runner.bf16_weights.native_rows == 0
+    assert not plain.engine.runner.bf16_weights.packed
 
 
 def test_copies_follow_an_optimizer_step_and_the_engine_sees_it():
@@ -164,9 +166,10 @@ def test_copies_are_dropped_on_sleep_and_remade_after_wake():
     copies = llm.engine.runner.bf16_weights
     # 2 layers x 7 linears + the LM head (tied or not, one copy per weight tensor)
     assert copies.num_held == 15
-    assert copies.bytes_held == sum(
-        m.weight.numel() * 2 for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)
-    )
+    shapes = [m.weight.shape for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    if copies.packed:  # padded to blocks of 64 outputs and pairs of inputs
+        shapes = [(-(-n // 64) * 64, -(-k // 2) * 2) for n, k in shapes]
+    assert copies.bytes_held == sum(n * k * 2 for n, k in shapes)
     llm.sleep()
     assert copies.num_held == 0
     llm.wake()
@@ -226,15 +229,21 @@ def test_the_c_kernels_and_the_pytorch_path_agree_in_bf16():
     assert max(abs(a - b) for ra, rb in zip(native, plain) for a, b in zip(ra, rb)) <= tolerance
 
 
-def test_a_weight_made_inside_the_forward_is_copied_for_its_call_and_not_kept():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_weight_made_inside_the_forward_is_copied_for_its_call_and_not_kept(packed: bool):
     """A quantized layer on the reference kernel dequantizes its weight in the forward, under the engine's
     inference mode: such a weight has no version counter to watch, so its bf16 copy is not kept."""
+    if packed and kernels.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
     torch.manual_seed(0)
     x = torch.randn(3, 40)
     with torch.inference_mode():
         weight = torch.randn(24, 40)
-    copies = Bf16Weights()
-    expected = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+    copies = Bf16Weights(packed)
+    if packed:
+        expected = kernels.bf16_linear(x, kernels.bf16_pack(weight), 24)
+    else:
+        expected = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
     assert torch.equal(copies.linear(x, weight, None), expected)
     assert copies.num_held == 0
 

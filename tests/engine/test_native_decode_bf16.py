@@ -1,9 +1,9 @@
 """The native decode step in the engine's bf16 compute (bf16_linear.c, the bf16 K/V pool in decode_step.c).
 
-Its linear layers are oneDNN's bf16 GEMM (what the module path runs) up to the order of each fp32 sum: an output
-either equals the GEMM's or is the bf16 number next to it, where the two sums fall on either side of a rounding
-boundary. Through a model those flips compound like any bf16 reordering, so the engine-level checks bound the
-logprobs, not bits."""
+bf16_linear.c is oneDNN's bf16 GEMM (what the module path runs without the native kernels) up to the order of each
+fp32 sum: an output either equals the GEMM's or is the bf16 number next to it, where the two sums fall on either
+side of a rounding boundary. Through a model those flips compound like any bf16 reordering, so the engine-level
+checks against the fp32 engine bound the logprobs, not bits."""
 
 from __future__ import annotations
 
@@ -27,21 +27,47 @@ def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("shape", [(576, 576), (96, 1536), (7, 40), (9, 33)])  # a tail past the 32 / 8 steps too
+@pytest.mark.parametrize("rows", [1, 5, 16, 200])  # a partial tile, whole tiles, two row chunks (192 + 8)
+@pytest.mark.parametrize("shape", [(576, 576), (96, 1536), (7, 40), (9, 33), (130, 31)])  # block / pair tails too
 def test_bf16_kernel_is_the_bf16_gemm_to_one_rounding_step(kernel_march, rows, shape):
     torch.manual_seed(rows)
     N, K = shape
-    x, weight, bias = torch.randn(rows, K), torch.randn(N, K).bfloat16(), torch.randn(N)
-    want = torch.nn.functional.linear(x.bfloat16(), weight).float()  # (rows, N) the module path's product
-    got = kernels.bf16_linear(x, weight)
+    x, weight, bias = torch.randn(rows, K), torch.randn(N, K), torch.randn(N)
+    want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float()  # (rows, N) the module path's product
+    packed = kernels.bf16_pack(weight)
+    got = kernels.bf16_linear(x, packed, N)
     assert torch.equal(got, got.bfloat16().float())  # each output rounded to bf16, as the GEMM's
     apart = bf16_steps_apart(got, want)
     assert apart.max() <= 1
     # A flip needs the two fp32 sums on either side of a rounding boundary: ~K ulp(fp32) of reorder against a bf16
     # step 2^16 fp32 ulps wide. Rounding the inputs any other way than to nearest even flips most outputs.
     assert apart.float().mean() <= 0.01
-    assert torch.equal(kernels.bf16_linear(x, weight, bias), got + bias)  # the bias added after, in fp32
+    assert torch.equal(kernels.bf16_linear(x, packed, N, bias), got + bias)  # the bias added after, in fp32
+    # A row's sum does not depend on the rows beside it (the order runs over K alone).
+    assert torch.equal(kernels.bf16_linear(x[-1:], packed, N), got[-1:])
+
+
+def test_bf16_pack_is_the_weight_rounded_in_blocks_of_64_outputs_and_pairs_of_inputs():
+    weight = torch.randn(70, 5)
+    packed = kernels.bf16_pack(weight)
+    assert packed.shape == (2, 3, 64, 2) and packed.dtype == torch.bfloat16
+    padded = torch.zeros(128, 6, dtype=torch.bfloat16)
+    padded[:70, :5] = weight.bfloat16()  # torch's cast: to nearest even
+    assert torch.equal(packed, padded.view(2, 64, 3, 2).transpose(1, 2))
+    with pytest.raises(ValueError, match="70 x 5"):
+        kernels.bf16_linear(torch.randn(2, 5), packed[:1], 70)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bf16_decode_is_bit_for_bit_the_module_path(temperature: float):
+    """Decode steps of 6 sequences: the native step's linear layers are the module path's kernel over the same
+    packed copies, its K/V rounded as the module path's cast and its attention the module path's plan, so the
+    tokens and logprobs are the very same."""
+    model = variant("qwen3")
+    native = make_llm(model, compute_dtype="bfloat16")
+    got = generate(native, temperature=temperature)
+    assert native.engine.runner.native_decode.steps >= 10
+    assert got == generate(make_llm(model, compute_dtype="bfloat16", native_decode_step=False), temperature=temperature)
 
 
 def test_bf16_engine_takes_the_native_step_close_to_its_module_path():
