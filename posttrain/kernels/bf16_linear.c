@@ -70,10 +70,14 @@ void bf16_pack(const float* w, uint16_t* out, int64_t N, int64_t K, int threads)
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         uint16_t* panel = out + b * pairs * COLS * 2;
-        memset(panel, 0, (size_t)(pairs * COLS * 2) * sizeof(uint16_t));
-        for (int64_t j = 0; j < COLS && b * COLS + j < N; j++) {
-            const float* row = w + (b * COLS + j) * K; /* read along the row, write every 128th bf16 */
-            for (int64_t k = 0; k < K; k++) panel[((k / 2) * COLS + j) * 2 + (k & 1)] = round_bf16(row[k]);
+        const int rows = N - b * COLS < COLS ? (int)(N - b * COLS) : COLS;
+        for (int64_t p = 0; p < pairs; p++) { /* written in order; the block's 64 rows read 8 pairs a cache line */
+            uint16_t* line = panel + p * COLS * 2;
+            for (int j = 0; j < COLS; j++) {
+                const float* row = w + (b * COLS + j) * K;
+                line[2 * j] = j < rows ? round_bf16(row[2 * p]) : 0;
+                line[2 * j + 1] = j < rows && 2 * p + 1 < K ? round_bf16(row[2 * p + 1]) : 0;
+            }
         }
     }
 }
