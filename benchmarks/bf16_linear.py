@@ -16,9 +16,9 @@ line of stdout.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +27,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import best_of  # noqa: E402  (benchmarks/timing.py)
+
 from posttrain import kernels  # noqa: E402
 from posttrain.hardware import cpu_features  # noqa: E402
 
@@ -34,14 +36,14 @@ from posttrain.hardware import cpu_features  # noqa: E402
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
 
-def best_of(fn, reps: int) -> float:  # noqa: ANN001
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def run_posttrain(inputs: dict[int, torch.Tensor], packed: list[torch.Tensor], shapes: list[tuple[int, int]]) -> None:
+    for copy, (n, k) in zip(packed, shapes):
+        kernels.bf16_linear(inputs[k], copy, n)
+
+
+def run_onednn(inputs: dict[int, torch.Tensor], row_major: list[torch.Tensor], shapes: list[tuple[int, int]]) -> None:
+    for copy, (_, k) in zip(row_major, shapes):
+        F.linear(inputs[k].bfloat16(), copy).float()
 
 
 def main() -> None:
@@ -64,14 +66,8 @@ def main() -> None:
         inputs = {k: torch.randn(rows, k) for k in {k for _, k in LAYER_SHAPES}}
         flops = sum(2 * rows * n * k for n, k in shapes)
 
-        def ours() -> None:
-            for copy, (n, k) in zip(packed, shapes):
-                kernels.bf16_linear(inputs[k], copy, n)
-
-        def onednn() -> None:
-            for copy, (_, k) in zip(row_major, shapes):
-                F.linear(inputs[k].bfloat16(), copy).float()
-
+        ours = functools.partial(run_posttrain, inputs, packed, shapes)
+        onednn = functools.partial(run_onednn, inputs, row_major, shapes)
         times = {"posttrain": float("inf"), "onednn": float("inf")}
         for _ in range(2):  # interleaved: a drift in the machine's speed hits both sides
             times["posttrain"] = min(times["posttrain"], best_of(ours, args.reps))

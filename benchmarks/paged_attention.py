@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,22 +27,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import best_of  # noqa: E402  (benchmarks/timing.py)
+
 from posttrain import kernels  # noqa: E402
 from posttrain.cpu_malloc import advise_huge_pages  # noqa: E402
 from posttrain.models.attention import PagedAttentionMetadata  # noqa: E402
 from posttrain.models.paged_attention import paged_attention  # noqa: E402
 
 BS, HKV, HEADS_PER_KV, D = 16, 3, 3, 64
-
-
-def best_of(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
