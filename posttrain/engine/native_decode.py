@@ -16,7 +16,8 @@ Anything else (LoRA wrappers, long prompts, more rows) takes the module path.
 bf16 compute (EngineConfig.compute_dtype, bf16 over fp32 weights): the step runs the engine's bf16 copies of the
 `nn.Linear` weights (bf16_weights.py; taken through `Bf16Weights.copy_of`, so a copy an optimizer step made stale is
 remade before the step reads it) with bf16_linear.c, the kernel the module path's linear layers run too, and
-writes and reads the bf16 K/V pool.
+writes and reads the bf16 K/V pool. Since that kernel serves any number of rows, a step whose linear layers are all
+bf16 copies takes up to BF16_MAX_ROWS rows (a rollout's decode steps), not MAX_ROWS.
 
 A step of one new token per sequence attends with the module path's own plan: the result is bit for bit the module
 path's. A step with several new tokens per sequence (a speculative check: the last token and k drafts; a prompt of a
@@ -54,6 +55,10 @@ from posttrain.quant.linear import QuantizedLinear, native_int8_operands
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 BF16_WEIGHT = -1  # decode_step.c's DecodeLinear.group of a bf16 weight
+# Steps of up to this many rows take the native step when every linear layer is a bf16 copy: bf16_linear.c is the
+# module path's kernel at any size, so the step saves the per-layer Python around it; fp32 and int8 layers stop at
+# MAX_ROWS, where MKL's GEMM and the int8 kernels' prefill choice take over.
+BF16_MAX_ROWS = 512  # the engine's default max_num_seqs: every decode step of a rollout
 _PLAIN = (torch.Tensor, nn.Parameter)  # not a tensor subclass (DTensor shards, quantized wrappers): their own ops
 _GLOBAL_HOOKS = (module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks)  # nn.Module's, all modules
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -129,6 +134,7 @@ class _Watch:
 @dataclass
 class _Table:
     layers: ctypes.Array  # (num_layers,) _Layer
+    max_rows: int  # the most rows a step through it takes (BF16_MAX_ROWS when every layer is a bf16 copy)
     fingerprint: list[int]  # what it was built from: module ids and tensor data pointers, in a fixed order
     keep: list[torch.Tensor]  # tensors derived for it (fp32 scales, bf16 copies), kept alive while it points at them
     watch: _Watch = dataclasses.field(default_factory=_Watch)  # the same, checked cheaply at every step
@@ -150,7 +156,8 @@ def supports_model(model: nn.Module) -> bool:
 
 
 class NativeDecode:
-    """Runs the runner's decode steps of up to MAX_ROWS sequences in one native call where it can."""
+    """Runs the runner's decode steps of up to MAX_ROWS sequences (BF16_MAX_ROWS in bf16) in one native call where
+    it can."""
 
     def __init__(self, model: Transformer, bf16_weights: Bf16Weights | None = None) -> None:
         """`bf16_weights`: the runner's bf16 copies when the engine computes in bf16 over the fp32 weights (packed:
@@ -166,13 +173,16 @@ class NativeDecode:
         """Whether this step is one the native step takes: pure decode, few rows, a pool the C kernels read (fp32,
         or bf16 when the engine computes in bf16)."""
         rows = input_ids.numel()
-        if not (0 < rows <= MAX_ROWS and meta.native_kernels):
+        if not (0 < rows <= (BF16_MAX_ROWS if self.bf16 is not None else MAX_ROWS) and meta.native_kernels):
             return False
         if meta.backend not in (None, "cpu") or kernels.library() is None:
             return False
         cache = meta.kv_caches[0]
         pool_dtype = torch.bfloat16 if self.bf16 is not None else torch.float32
-        return cache.dtype == pool_dtype and cache.is_contiguous() and self._current_table(meta, rows) is not None
+        if cache.dtype != pool_dtype or not cache.is_contiguous():
+            return False
+        table = self._current_table(meta, rows)
+        return table is not None and rows <= table.max_rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
         """The final norm's hidden states (N, d) of the step, as `model.hidden_states` computes them."""
@@ -319,7 +329,9 @@ class NativeDecode:
             entry.kv_cache = cache.data_ptr()
         if not _fp32_vector(self.model.norm.weight):
             return None
-        return _Table(layers, fingerprint, keep)
+        linears = [getattr(entry, field) for entry in layers for field in ("q", "k", "v", "o", "gate", "up", "down")]
+        all_bf16 = all(linear.group == BF16_WEIGHT for linear in linears)
+        return _Table(layers, BF16_MAX_ROWS if all_bf16 else MAX_ROWS, fingerprint, keep)
 
 
 def _fill_linear(

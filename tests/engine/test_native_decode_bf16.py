@@ -58,16 +58,17 @@ def test_bf16_pack_is_the_weight_rounded_in_blocks_of_64_outputs_and_pairs_of_in
         kernels.bf16_linear(torch.randn(2, 5), packed[:1], 70)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_bf16_decode_is_bit_for_bit_the_module_path(temperature: float):
-    """Decode steps of 6 sequences: the native step's linear layers are the module path's kernel over the same
-    packed copies, its K/V rounded as the module path's cast and its attention the module path's plan, so the
-    tokens and logprobs are the very same."""
+@pytest.mark.parametrize(("temperature", "n"), [(0.0, 2), (1.0, 2), (1.0, 8)])
+def test_bf16_decode_is_bit_for_bit_the_module_path(temperature: float, n: int):
+    """Decode steps of 6 sequences, and of 24 (past the fp32 step's MAX_ROWS): the native step's linear layers are
+    the module path's kernel over the same packed copies, its K/V rounded as the module path's cast and its
+    attention the module path's plan, so the tokens and logprobs are the very same."""
     model = variant("qwen3")
     native = make_llm(model, compute_dtype="bfloat16")
-    got = generate(native, temperature=temperature)
-    assert native.engine.runner.native_decode.steps >= 10
-    assert got == generate(make_llm(model, compute_dtype="bfloat16", native_decode_step=False), temperature=temperature)
+    got = generate(native, n=n, temperature=temperature)
+    assert native.engine.runner.native_decode.steps >= 10  # every decode step: 11 of them, 6 or 24 rows each
+    plain = make_llm(model, compute_dtype="bfloat16", native_decode_step=False)
+    assert got == generate(plain, n=n, temperature=temperature)
 
 
 def test_bf16_engine_takes_the_native_step_close_to_its_module_path():
