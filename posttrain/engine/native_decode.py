@@ -17,7 +17,7 @@ bf16 compute (EngineConfig.compute_dtype, bf16 over fp32 weights): the step runs
 `nn.Linear` weights (bf16_weights.py; taken through `Bf16Weights.copy_of`, so a copy an optimizer step made stale is
 remade before the step reads it) with bf16_linear.c, the kernel the module path's linear layers run too, and
 writes and reads the bf16 K/V pool. Since that kernel serves any number of rows, a step whose linear layers are all
-bf16 copies takes up to BF16_MAX_ROWS rows (a rollout's decode steps), not MAX_ROWS.
+bf16 copies takes decode steps (one new token per sequence) of up to BF16_MAX_ROWS rows, not MAX_ROWS.
 
 A step of one new token per sequence attends with the module path's own plan: the result is bit for bit the module
 path's. A step with several new tokens per sequence (a speculative check: the last token and k drafts; a prompt of a
@@ -173,7 +173,11 @@ class NativeDecode:
         """Whether this step is one the native step takes: pure decode, few rows, a pool the C kernels read (fp32,
         or bf16 when the engine computes in bf16)."""
         rows = input_ids.numel()
-        if not (0 < rows <= (BF16_MAX_ROWS if self.bf16 is not None else MAX_ROWS) and meta.native_kernels):
+        # Only a decode step (one new token per sequence) goes past MAX_ROWS in bf16: a prompt or a speculative check
+        # runs each token as a query of its own, equal to the module path's masked SDPA only to rounding.
+        decode = meta.max_query_len == 1
+        limit = BF16_MAX_ROWS if self.bf16 is not None and decode else MAX_ROWS
+        if not (0 < rows <= limit and meta.native_kernels):
             return False
         if meta.backend not in (None, "cpu") or kernels.library() is None:
             return False
@@ -309,7 +313,10 @@ class NativeDecode:
         return prints
 
     def _build(self, meta, rows: int, fingerprint: list[int]) -> _Table | None:  # noqa: ANN001
-        probe = torch.empty(rows, self.model.config.hidden_size)  # what a linear layer's kernel choice looks at
+        # What an int8 layer's kernel choice looks at. At most MAX_ROWS rows: a mixed table (int8 layers in a bf16
+        # step) first built by a wide step would otherwise hold the int8 choice for that width, which the step never
+        # runs (only an all-bf16 table takes more than MAX_ROWS rows) and which may have no native kernel at all.
+        probe = torch.empty(min(rows, MAX_ROWS), self.model.config.hidden_size)
         layers = (_Layer * len(self.model.layers))()
         keep: list[torch.Tensor] = []
         for entry, layer, cache in zip(layers, self.model.layers, meta.kv_caches):

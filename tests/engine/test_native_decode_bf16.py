@@ -7,13 +7,18 @@ checks against the fp32 engine bound the logprobs, not bits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from posttrain import kernels
 from posttrain.engine import SamplingParams
+from posttrain.engine.small_rows_linear import MAX_ROWS
+from posttrain.models.transformer import Transformer
+from posttrain.quant.inference import quantize_for_inference
 from tests.engine.test_native_decode import generate, variant
-from tests.engine.tiny import make_llm
+from tests.engine.tiny import make_llm, tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
 
@@ -103,3 +108,33 @@ def test_bf16_decode_steps_run_natively_and_follow_an_in_place_update():
     assert llm.engine.runner.native_decode.steps >= steps + 10
     assert llm.engine.runner.bf16_weights.num_copies_made == made + 1  # only the weight that moved
     assert after != before
+
+
+def test_bf16_decode_steps_past_max_rows_run_natively_but_prompts_do_not():
+    """Past MAX_ROWS only decode steps take the bf16 native step: a prompt of more tokens (each a query of its own
+    there, not the module path's masked SDPA) stays on the modules."""
+    llm = make_llm(variant("llama"), compute_dtype="bfloat16")
+    native = llm.engine.runner.native_decode
+    llm.generate(["0123456789"], SamplingParams(max_tokens=1))
+    assert native.steps == 0  # a 10-token prompt: the modules
+    llm.generate(["12"], SamplingParams(max_tokens=4, ignore_eos=True, n=MAX_ROWS + 4, seed=0))
+    assert native.steps == 1 + 3  # the 2-token prompt and 3 decode steps of 12 rows
+
+
+def test_a_mixed_table_built_by_a_wide_step_keeps_the_int8_choices_of_the_steps_it_runs():
+    """int8 layers in a bf16 engine cap the table at MAX_ROWS. Built first by a 48-row decode step, it still holds
+    the int8 kernels chosen for MAX_ROWS rows (one may have no native kernel at 48), so narrower steps run on it."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(tiny_model().config, hidden_size=64, num_attention_heads=8)).eval()
+    quantize_for_inference(model, "int8")
+    llm = make_llm(model, compute_dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=64, num_kv_blocks=512)
+    native = llm.engine.runner.native_decode
+    prompt = "abcdefghijklmnopqrstuvwxyz" * 2  # 52 tokens: the modules, where the table is never built
+    llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, n=48, seed=7))
+    table = native._table
+    assert native.steps == 0 and table is not None and table.max_rows == MAX_ROWS
+    got = llm.generate(["ab"], SamplingParams(max_tokens=4, ignore_eos=True, n=2, seed=7))
+    assert native.steps == 4 and native._table is table  # the prompt and 3 decode steps, on the same table
+    plain = make_llm(model, compute_dtype="bfloat16", native_decode_step=False)
+    want = plain.generate(["ab"], SamplingParams(max_tokens=4, ignore_eos=True, n=2, seed=7))
+    assert [o.outputs for o in got] == [o.outputs for o in want]
