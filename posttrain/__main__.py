@@ -1,7 +1,5 @@
 """`python -m posttrain ...` (also what `torchrun -m posttrain` runs)."""
 
-import sys
+from posttrain.cli import program
 
-from posttrain.cli import main
-
-sys.exit(main())
+program()

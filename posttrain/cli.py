@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _left_process_groups
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
@@ -73,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if nproc is not None:
                 return relaunch(nproc, argv)
         code = int(module.run(args) or 0)
-        _leave_process_groups()
+        _left_process_groups = _leave_process_groups()
         return code
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -83,16 +86,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _leave_process_groups() -> None:
-    """After a command ran to its end under torchrun: destroy the process groups while the interpreter is whole.
-    Left to interpreter exit, gloo's worker threads may abort the process ("terminate called without an active
-    exception", SIGABRT) after a run that succeeded. Not on an error path: a group with an operation still posted to
-    a rank that is gone would wait for it."""
+_left_process_groups = False  # main() destroyed the process groups of a command that ran to its end
+
+
+def _leave_process_groups() -> bool:
+    """After a command ran to its end under torchrun: destroy the process groups while the interpreter is whole
+    (True where there were some). Not on an error path: a group with an operation still posted to a rank that is
+    gone would wait for it."""
+    if "torch.distributed" not in sys.modules:  # a command that never imported it (info, convert) has no group
+        return False
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
+
+
+def program() -> None:
+    """The `posttrain` program (the console script, `python -m posttrain`, what torchrun starts): main(), then
+    exit with its code.
+
+    A torchrun rank whose command ran to its end exits without the interpreter's and the C++ runtime's teardown
+    (os._exit after Python's exit handlers and a flush of the standard streams). Why: in that teardown gloo's
+    threads may abort the rank ("terminate called without an active exception", SIGABRT) after a run whose work
+    all landed, even with the groups destroyed first, and torchrun then fails the whole run. Everything the run
+    writes is closed by then (checkpoints, metrics, trackers); only that teardown is skipped."""
+    code = main()
+    if _left_process_groups:
+        atexit._run_exitfuncs()  # logging's shutdown, a tracker library's own handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

@@ -7,6 +7,7 @@ single process and every helper here is a no-op, so trainers call them unconditi
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ def init_distributed(strategy: str, device_type: str) -> DistContext:
             "launch with `torchrun --nproc-per-node N -m posttrain <command> ...` or add `--nproc N`"
         )
     ctx = DistContext(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+    # A rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stacks: torchrun reports only the signal.
+    faulthandler.enable()
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":

@@ -3,6 +3,10 @@ checkpointing, and the single-process fall-backs of the collectives."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -14,6 +18,7 @@ from posttrain.distributed.parallel import Parallel
 from posttrain.errors import ConfigError
 from posttrain.trainers.sft import SFTConfig
 from tests.data.tiny import tiny_model
+from tests.distributed.launch import ROOT
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -173,3 +178,40 @@ def test_a_command_that_ran_to_its_end_leaves_its_process_group(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_rank_that_ran_to_its_end_exits_without_the_runtime_teardown(tmp_path):
+    """The program (what torchrun starts) exits a rank whose command ran to its end and left its groups with
+    os._exit: Python's exit handlers run and the output is flushed, but no interpreter teardown follows (where
+    gloo's threads may abort a rank that succeeded)."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "import torch.distributed as dist\n"
+        "from posttrain.cli import program\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        print('torn down', flush=True)\n"
+        "keep = Finalized()  # a module global: the interpreter's teardown would delete it\n"
+        "atexit.register(print, 'exit handler ran')\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "sys.argv = ['posttrain', *sys.argv[1:]]\n"
+        "program()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script), "info"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "exit handler ran" in done.stdout and "torn down" not in done.stdout
+    # Without a group (an ordinary command line) the program exits the ordinary way.
+    script.write_text(script.read_text().replace("dist.init_process_group", "# dist.init_process_group"))
+    plain = subprocess.run([sys.executable, str(script), "info"], env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert "exit handler ran" in plain.stdout and "torn down" in plain.stdout
+    failed = subprocess.run(
+        [sys.executable, str(script), "grpo", str(tmp_path / "missing.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert failed.returncode == 2 and "missing.yaml" in failed.stderr
