@@ -166,6 +166,18 @@ static inline void rows_vnni(const int8_t* a, const float* d, const int32_t* sum
 }
 #endif
 
+/* y[:, n0 .. n0 + rows) for all M inputs: the VNNI tiles where the CPU has them, else each input through `tile`. */
+static inline void output_rows(const int8_t* a, const float* d, const int32_t* sums, const int8_t* codes,
+                               const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                               const int rows) {
+#ifdef Q8_VNNI
+    rows_vnni(a, d, sums, codes, scales, y, M, N, K, n0, rows);
+#else
+    (void)sums; /* the VNNI tile's correction only */
+    for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, n0, rows);
+#endif
+}
+
 void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                int threads) {
     int8_t* a = malloc((size_t)(M * K)); /* the rounded activations: a few KB for a decode step */
@@ -173,28 +185,15 @@ void q8_linear(const float* x, const int8_t* codes, const float* scales, float* 
     int32_t* sums = malloc(sizeof(int32_t) * (size_t)(M * (K / GROUP)));
     quantize_groups(x, a, d, sums, M, K, threads);
     /* blocks of ROW_BLOCK rows, or rows one at a time for a single input (ROW_BLOCK's comment): one fork either way */
-    const int64_t blocks = N / ROW_BLOCK;
-#ifdef Q8_VNNI
     if (M == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) rows_vnni(a, d, sums, codes, scales, y, M, N, K, n, 1);
+        for (int64_t n = 0; n < N; n++) output_rows(a, d, sums, codes, scales, y, M, N, K, n, 1);
     } else {
+        const int64_t blocks = N / ROW_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t b = 0; b < blocks; b++) rows_vnni(a, d, sums, codes, scales, y, M, N, K, b * ROW_BLOCK, ROW_BLOCK);
-        for (int64_t n = blocks * ROW_BLOCK; n < N; n++) rows_vnni(a, d, sums, codes, scales, y, M, N, K, n, 1);
+        for (int64_t b = 0; b < blocks; b++) output_rows(a, d, sums, codes, scales, y, M, N, K, b * ROW_BLOCK, ROW_BLOCK);
+        for (int64_t n = blocks * ROW_BLOCK; n < N; n++) output_rows(a, d, sums, codes, scales, y, M, N, K, n, 1);
     }
-#else
-    if (M == 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) tile(a, d, codes, scales, y, N, K, 0, n, 1);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, b * ROW_BLOCK, ROW_BLOCK);
-        for (int64_t n = blocks * ROW_BLOCK; n < N; n++)
-            for (int64_t m = 0; m < M; m++) tile(a, d, codes, scales, y, N, K, m, n, 1);
-    }
-#endif
     free(a);
     free(d);
     free(sums);
