@@ -16,11 +16,7 @@ from posttrain.errors import PosttrainError
 from posttrain.rollout.chat_tokens import ChatTokens
 from posttrain.rollout.episode_batch import EpisodeOptions
 from posttrain.rollout.episodes import EpisodeLimits
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+from posttrain.trainers.rl.sections import need
 
 
 @dataclass
@@ -44,16 +40,16 @@ class EnvSection:
     workers: int = 4  # threads running environment calls while the engine decodes
 
     def validate(self) -> None:
-        _need(bool(self.name), "name must name an environment (a built-in or path/to/file.py:Class)")
+        need(bool(self.name), "name must name an environment (a built-in or path/to/file.py:Class)")
         for name in ("max_turns", "max_episode_tokens", "workers"):
-            _need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        _need(
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        need(
             self.turn_rewards in ("ignore", "sum", "per_turn"),
             f"turn_rewards must be ignore, sum or per_turn, got {self.turn_rewards!r}",
         )
         for name in ("tool_timeout_s", "step_timeout_s"):
             value = getattr(self, name)
-            _need(value is None or value > 0, f"{name} must be > 0, got {value}")
+            need(value is None or value > 0, f"{name} must be > 0, got {value}")
 
 
 def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
