@@ -33,6 +33,13 @@
 #include <stdint.h>
 
 #define BF16_WEIGHT (-1) /* DecodeLinear.group of a bf16 weight */
+/* The row-wise ops (norms, rotary, SwiGLU, K/V writes) over fewer floats than this run on the calling thread: at a
+ * few rows their work (~1 us a thousand floats) is less than a fork and join of the team, which they would pay six
+ * times a layer (180 times a token for SmolLM2 at batch 1). Each row's result does not depend on the thread that
+ * computes it, so this changes nothing in the output. The linear layers and the attention keep every thread. */
+#define SERIAL_FLOATS 8192
+
+static inline int row_threads(int64_t floats, int threads) { return floats <= SERIAL_FLOATS ? 1 : threads; }
 
 /* The kernels this step chains (the other sources of the library). */
 void f32_linear(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
@@ -44,6 +51,13 @@ void int8_linear(const float* x, const int8_t* codes, const float* scales, float
                  int64_t group, int threads);
 void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                int threads);
+typedef struct {
+    const int8_t* codes;
+    const float* scales;
+    float* y;
+    int64_t N;
+} Q8Output; /* q8_linear.c's */
+void q8_linear_many(const float* x, const Q8Output* outs, int64_t count, int64_t M, int64_t K, int threads);
 void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t d, float eps, int threads);
 void add_rms_norm(const float* x, const float* delta, const float* weight, float* sum, float* out, int64_t rows,
                   int64_t d, float eps, int threads);
@@ -99,6 +113,13 @@ typedef struct {
     int64_t kv_bf16; /* 1: the pools are bf16 (the engine's bf16 compute) */
 } DecodeStep;
 
+static void add_bias(const DecodeLinear* l, float* y, int64_t M) {
+    if (l->bias == NULL) return;
+    const int64_t N = l->out_features;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * N + n] += l->bias[n];
+}
+
 /* y (M, N) = x (M, K) through one linear layer; x16 (M, K) scratch for a bf16 layer's rounded inputs. */
 static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, uint16_t* x16, int threads) {
     const int64_t N = l->out_features, K = l->in_features;
@@ -114,9 +135,25 @@ static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, u
         q8_linear(x, (const int8_t*)l->weight, l->scales, y, M, N, K, threads);
     else
         int8_linear(x, (const int8_t*)l->weight, l->scales, y, M, N, K, l->group, threads);
-    if (l->bias != NULL)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++) y[m * N + n] += l->bias[n];
+    add_bias(l, y, M); /* after the product, as QuantizedLinear adds it */
+}
+
+/* ys[j] = x through ls[j] for `count` (<= 3) layers over the same input (q, k, v; gate, up). Where all are q8_0 the
+ * activations are rounded once and all their rows run under one fork (q8_linear_many; each output as q8_linear
+ * computes it): at batch 1 the rounding and the fork cost about what k's and v's 110 KB of codes take to stream. */
+static void linears(const DecodeLinear* const* ls, float* const* ys, int count, const float* x, int64_t M,
+                    uint16_t* x16, int threads) {
+    int q8 = 1;
+    for (int j = 0; j < count; j++) q8 &= ls[j]->group > 0 && ls[j]->quantize_input;
+    if (!q8) {
+        for (int j = 0; j < count; j++) linear(ls[j], x, ys[j], M, x16, threads);
+        return;
+    }
+    Q8Output outs[3];
+    for (int j = 0; j < count; j++)
+        outs[j] = (Q8Output){(const int8_t*)ls[j]->weight, ls[j]->scales, ys[j], ls[j]->out_features};
+    q8_linear_many(x, outs, count, M, ls[0]->in_features, threads);
+    for (int j = 0; j < count; j++) add_bias(ls[j], ys[j], M);
 }
 
 /* x (M, d): the step's embeddings in, the residual stream after the last layer out; out (M, d): the final
@@ -143,41 +180,38 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSt
     for (int64_t i = 0; i < num_layers; i++) {
         const DecodeLayer* L = layers + i;
         float *qa = q, *qb = q_other, *ka = k, *kb = k_other, *swap;
-        rms_norm(x, L->input_norm, h, M, d, s->eps, threads);
-        linear(&L->q, h, qa, M, x16, threads);
-        linear(&L->k, h, ka, M, x16, threads);
-        linear(&L->v, h, v, M, x16, threads);
+        rms_norm(x, L->input_norm, h, M, d, s->eps, row_threads(M * d, threads));
+        linears((const DecodeLinear* const[]){&L->q, &L->k, &L->v}, (float* const[]){qa, ka, v}, 3, h, M, x16, threads);
         if (L->q_norm != NULL) { /* Qwen3: each head of q and k normed before the rotary embedding */
-            rms_norm(qa, L->q_norm, qb, M * H, D, s->eps, threads);
-            rms_norm(ka, L->k_norm, kb, M * Hkv, D, s->eps, threads);
+            rms_norm(qa, L->q_norm, qb, M * H, D, s->eps, row_threads(M * q_size, threads));
+            rms_norm(ka, L->k_norm, kb, M * Hkv, D, s->eps, row_threads(M * kv_size, threads));
             swap = qa, qa = qb, qb = swap;
             swap = ka, ka = kb, kb = swap;
         }
-        rotary(qa, s->cos, s->sin, qb, M, H, D, threads);
-        rotary(ka, s->cos, s->sin, kb, M, Hkv, D, threads);
+        rotary(qa, s->cos, s->sin, qb, M, H, D, row_threads(M * q_size, threads));
+        rotary(ka, s->cos, s->sin, kb, M, Hkv, D, row_threads(M * kv_size, threads));
         if (s->kv_bf16) {
             round_to_bf16(kb, kv16, M * kv_size);
             round_to_bf16(v, kv16 + M * kv_size, M * kv_size);
             paged_write_kv((char*)L->kv_cache, (const char*)kv16, (const char*)(kv16 + M * kv_size), s->slots, M,
-                           num_slots, kv_size * (int64_t)sizeof(uint16_t), threads);
+                           num_slots, kv_size * (int64_t)sizeof(uint16_t), row_threads(M * kv_size, threads));
             paged_decode_attention_bf16(qb, (const uint16_t*)L->kv_cache, attended, s->num_blocks, s->block_size, Hkv,
                                         H / Hkv, D, s->tables, s->width, s->context_lens, s->seq_rows,
                                         s->group_starts, s->group_shared, s->num_groups, s->max_members, s->scale,
                                         threads);
         } else {
             paged_write_kv((char*)L->kv_cache, (const char*)kb, (const char*)v, s->slots, M, num_slots,
-                           kv_size * (int64_t)sizeof(float), threads);
+                           kv_size * (int64_t)sizeof(float), row_threads(M * kv_size, threads));
             paged_decode_attention(qb, (const float*)L->kv_cache, attended, s->num_blocks, s->block_size, Hkv,
                                    H / Hkv, D, s->tables, s->width, s->context_lens, s->seq_rows, s->group_starts,
                                    s->group_shared, s->num_groups, s->max_members, s->scale, threads);
         }
         linear(&L->o, attended, delta, M, x16, threads);
-        add_rms_norm(x, delta, L->post_attention_norm, x, h, M, d, s->eps, threads);
-        linear(&L->gate, h, gate, M, x16, threads);
-        linear(&L->up, h, up, M, x16, threads);
-        silu_mul(gate, up, act, M * I, threads);
+        add_rms_norm(x, delta, L->post_attention_norm, x, h, M, d, s->eps, row_threads(M * d, threads));
+        linears((const DecodeLinear* const[]){&L->gate, &L->up}, (float* const[]){gate, up}, 2, h, M, x16, threads);
+        silu_mul(gate, up, act, M * I, row_threads(M * I, threads));
         linear(&L->down, act, delta, M, x16, threads);
         for (int64_t j = 0; j < M * d; j++) x[j] += delta[j];
     }
-    rms_norm(x, final_norm, out, M, d, s->eps, threads);
+    rms_norm(x, final_norm, out, M, d, s->eps, row_threads(M * d, threads));
 }

@@ -101,6 +101,21 @@ def test_q8_kernel_scales_activations_per_group():
     assert QuantizedLinear.from_float(weight[:, :80], None, "q8_0").kernel_for(x[:, :80]).name == "reference"
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q8_kernel_rounds_activation_ties_to_even(kernel_march: str, rows: int):
+    """A group whose largest input is 127 has the scale 1, so 0.5, 1.5, 2.5, ... fall halfway between two codes:
+    they round to the even one (torch.round's rule, which `quantize_per_group` uses), where rounding half away from
+    zero would give 1, 3, -1, -3. One-hot weight rows read each activation code back."""
+    x = torch.zeros(rows, 32)
+    x[:, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])
+    layer = QuantizedLinear.from_float(torch.eye(8, 32), None, "q8_0")
+    assert layer.kernel_for(x).name == "cpu_q8_native"
+    weight = layer.dequantize().diagonal()  # (8,): each row's one weight
+    codes = torch.tensor([127.0, 0.0, 2.0, 2.0, 0.0, -2.0, -2.0, 4.0])
+    torch.testing.assert_close(layer(x), (codes * weight).expand(rows, 8), rtol=1e-6, atol=0)
+
+
 def test_kernel_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch):
     layer = int8_layer(64, 576)
     decode, prefill = torch.randn(2, 576), torch.randn(NATIVE_MAX_ROWS + 1, 576)
