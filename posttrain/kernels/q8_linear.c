@@ -28,6 +28,8 @@
  *
  * x (M, K) fp32, codes (N, K) int8, scales (N, K / 32) fp32, y (M, N) fp32; all contiguous; K a multiple of 32
  * (checked by the caller). OpenMP splits the output rows over `threads` (in blocks of ROW_BLOCK for several inputs).
+ * `q8_linear_many` runs several layers over the same input (a decoder layer's q, k and v) with the activations
+ * rounded once and all their rows under one fork; each output is computed as `q8_linear` computes it alone.
  */
 
 #include <math.h>
