@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "linear_outputs.h"
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -133,17 +135,52 @@ static inline __attribute__((always_inline)) void tile(const bf16_pair* x16, int
 #endif
 }
 
-/* x (M, K) fp32, packed from bf16_pack(W (N, K)), b (N,) fp32 or NULL, y (M, N) fp32; x16 scratch for
- * M * 2 * ceil(K / 2) bf16s (the rounded inputs, each row padded to whole pairs).
- *
- * The work is (chunk, block, tile) units in that order, dealt to the threads in equal contiguous runs (to within
- * one unit): a thread's tiles mostly share their block's panel and their chunk's inputs, and a short last chunk
- * costs no thread more than its share. */
-void bf16_linear(const float* x, const uint16_t* packed, const float* b, float* y, int64_t M, int64_t N, int64_t K,
-                 uint16_t* x16, int threads) {
-    const int64_t pairs = (K + 1) / 2, blocks = (N + COLS - 1) / COLS, tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+typedef struct {
+    const uint16_t* x16;
+    int64_t pairs, M;
+    const Bf16Output* outs;
+} Units;
+
+/* Unit u of output j's (chunk, block, tile) units (bf16_linear_many's comment): one tile times one panel. */
+static void run_unit(const void* context, int64_t j, int64_t u) {
+    const Units* c = context;
+    const Bf16Output* out = c->outs + j;
+    const int64_t M = c->M, pairs = c->pairs, N = out->N, blocks = (N + COLS - 1) / COLS;
+    const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t chunk_tiles = CHUNK_ROWS / TILE_ROWS, full_chunks = tiles / chunk_tiles;
     const int64_t last_tiles = tiles - full_chunks * chunk_tiles, full_units = full_chunks * chunk_tiles * blocks;
+    const int64_t in_chunk = u < full_units ? chunk_tiles : last_tiles; /* tiles in this unit's chunk */
+    const int64_t chunk = u < full_units ? u / (chunk_tiles * blocks) : full_chunks;
+    const int64_t rest = u < full_units ? u % (chunk_tiles * blocks) : u - full_units;
+    const int64_t blk = rest / in_chunk, m = (chunk * chunk_tiles + rest % in_chunk) * TILE_ROWS;
+    const uint16_t* panel = out->packed + blk * pairs * COLS * 2;
+    const int cols = N - blk * COLS < COLS ? (int)(N - blk * COLS) : COLS;
+    const bf16_pair* xs = (const bf16_pair*)(c->x16 + m * 2 * pairs);
+    const float* bias = out->bias != NULL ? out->bias + blk * COLS : NULL;
+    float* ys = out->y + m * N + blk * COLS;
+    switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) { /* constant rows: registers */
+        case 6: tile(xs, pairs, panel, 6, cols, bias, ys, N); break;
+        case 5: tile(xs, pairs, panel, 5, cols, bias, ys, N); break;
+        case 4: tile(xs, pairs, panel, 4, cols, bias, ys, N); break;
+        case 3: tile(xs, pairs, panel, 3, cols, bias, ys, N); break;
+        case 2: tile(xs, pairs, panel, 2, cols, bias, ys, N); break;
+        default: tile(xs, pairs, panel, 1, cols, bias, ys, N); break;
+    }
+}
+
+/* Several layers over the same input x (M, K) (a decoder layer's q, k and v): x rounded once into x16 (M * 2 *
+ * ceil(K / 2) bf16s, each row padded to whole pairs), then all outputs' units under one fork, each computed as
+ * bf16_linear computes it alone.
+ *
+ * An output's work is (chunk, block, tile) units in that order, and the threads take equal contiguous runs of all
+ * the outputs' units (run_thread_share): a thread's tiles mostly share their block's panel and their chunk's
+ * inputs, and a short last chunk costs no thread more than its share. */
+void bf16_linear_many(const float* x, const Bf16Output* outs, int64_t count, int64_t M, int64_t K, uint16_t* x16,
+                      int threads) {
+    const int64_t pairs = (K + 1) / 2, tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t units[count];
+    for (int64_t j = 0; j < count; j++) units[j] = tiles * ((outs[j].N + COLS - 1) / COLS);
+    const Units context = {x16, pairs, M, outs};
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -151,25 +188,14 @@ void bf16_linear(const float* x, const uint16_t* packed, const float* b, float* 
             round_to_bf16(x + m * K, x16 + m * 2 * pairs, K);
             if (K % 2) x16[m * 2 * pairs + K] = 0; /* the padded input: 0 times the packed zero */
         }
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < full_units + last_tiles * blocks; u++) {
-            const int64_t in_chunk = u < full_units ? chunk_tiles : last_tiles; /* tiles in this unit's chunk */
-            const int64_t chunk = u < full_units ? u / (chunk_tiles * blocks) : full_chunks;
-            const int64_t rest = u < full_units ? u % (chunk_tiles * blocks) : u - full_units;
-            const int64_t blk = rest / in_chunk, m = (chunk * chunk_tiles + rest % in_chunk) * TILE_ROWS;
-            const uint16_t* panel = packed + blk * pairs * COLS * 2;
-            const int cols = N - blk * COLS < COLS ? (int)(N - blk * COLS) : COLS;
-            const bf16_pair* xs = (const bf16_pair*)(x16 + m * 2 * pairs);
-            const float* bias = b != NULL ? b + blk * COLS : NULL;
-            float* ys = y + m * N + blk * COLS;
-            switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) { /* constant rows: registers */
-                case 6: tile(xs, pairs, panel, 6, cols, bias, ys, N); break;
-                case 5: tile(xs, pairs, panel, 5, cols, bias, ys, N); break;
-                case 4: tile(xs, pairs, panel, 4, cols, bias, ys, N); break;
-                case 3: tile(xs, pairs, panel, 3, cols, bias, ys, N); break;
-                case 2: tile(xs, pairs, panel, 2, cols, bias, ys, N); break;
-                default: tile(xs, pairs, panel, 1, cols, bias, ys, N); break;
-            }
-        }
+        run_thread_share(units, count, run_unit, &context);
     }
+}
+
+/* x (M, K) fp32, packed from bf16_pack(W (N, K)), b (N,) fp32 or NULL, y (M, N) fp32; x16 scratch for
+ * M * 2 * ceil(K / 2) bf16s (the rounded inputs, each row padded to whole pairs). */
+void bf16_linear(const float* x, const uint16_t* packed, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                 uint16_t* x16, int threads) {
+    const Bf16Output out = {packed, b, y, N};
+    bf16_linear_many(x, &out, 1, M, K, x16, threads);
 }

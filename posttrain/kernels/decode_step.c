@@ -32,6 +32,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "linear_outputs.h"
+
 #define BF16_WEIGHT (-1) /* DecodeLinear.group of a bf16 weight */
 /* The row-wise ops (norms, rotary, SwiGLU, K/V writes) over fewer floats than this run on the calling thread: at a
  * few rows their work (~1 us a thousand floats) is less than a fork and join of the team, which they would pay six
@@ -51,13 +53,6 @@ void int8_linear(const float* x, const int8_t* codes, const float* scales, float
                  int64_t group, int threads);
 void q8_linear(const float* x, const int8_t* codes, const float* scales, float* y, int64_t M, int64_t N, int64_t K,
                int threads);
-typedef struct {
-    const int8_t* codes;
-    const float* scales;
-    float* y;
-    int64_t N;
-} Q8Output; /* q8_linear.c's */
-void q8_linear_many(const float* x, const Q8Output* outs, int64_t count, int64_t M, int64_t K, int threads);
 void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t d, float eps, int threads);
 void add_rms_norm(const float* x, const float* delta, const float* weight, float* sum, float* out, int64_t rows,
                   int64_t d, float eps, int threads);
@@ -138,22 +133,32 @@ static void linear(const DecodeLinear* l, const float* x, float* y, int64_t M, u
     add_bias(l, y, M); /* after the product, as QuantizedLinear adds it */
 }
 
-/* ys[j] = x through ls[j] for `count` (<= 3) layers over the same input (q, k, v; gate, up). Where all are q8_0 the
- * activations are rounded once and all their rows run under one fork (q8_linear_many; each output as q8_linear
- * computes it): at batch 1 the rounding and the fork cost about what k's and v's 110 KB of codes take to stream. */
+/* ys[j] = x through ls[j] for `count` (<= 3) layers over the same input (q, k, v; gate, up). Where all are q8_0, or
+ * all bf16, the input is rounded once and all their rows run under one fork (linear_outputs.h): at batch 1 a
+ * separate call for k and for v (110 KB of q8_0 codes each) costs about as much in rounding and forking as in
+ * streaming, and a layer of a few 64-output blocks leaves one of two threads idle for a block. */
 static void linears(const DecodeLinear* const* ls, float* const* ys, int count, const float* x, int64_t M,
                     uint16_t* x16, int threads) {
-    int q8 = 1;
-    for (int j = 0; j < count; j++) q8 &= ls[j]->group > 0 && ls[j]->quantize_input;
-    if (!q8) {
-        for (int j = 0; j < count; j++) linear(ls[j], x, ys[j], M, x16, threads);
-        return;
+    int q8 = 1, bf16 = 1;
+    for (int j = 0; j < count; j++) {
+        q8 &= ls[j]->group > 0 && ls[j]->quantize_input;
+        bf16 &= ls[j]->group == BF16_WEIGHT;
     }
-    Q8Output outs[3];
-    for (int j = 0; j < count; j++)
-        outs[j] = (Q8Output){(const int8_t*)ls[j]->weight, ls[j]->scales, ys[j], ls[j]->out_features};
-    q8_linear_many(x, outs, count, M, ls[0]->in_features, threads);
-    for (int j = 0; j < count; j++) add_bias(ls[j], ys[j], M);
+    const int64_t K = ls[0]->in_features;
+    if (q8) {
+        Q8Output outs[3];
+        for (int j = 0; j < count; j++)
+            outs[j] = (Q8Output){(const int8_t*)ls[j]->weight, ls[j]->scales, ys[j], ls[j]->out_features};
+        q8_linear_many(x, outs, count, M, K, threads);
+        for (int j = 0; j < count; j++) add_bias(ls[j], ys[j], M);
+    } else if (bf16) {
+        Bf16Output outs[3];
+        for (int j = 0; j < count; j++)
+            outs[j] = (Bf16Output){(const uint16_t*)ls[j]->weight, ls[j]->bias, ys[j], ls[j]->out_features};
+        bf16_linear_many(x, outs, count, M, K, x16, threads);
+    } else {
+        for (int j = 0; j < count; j++) linear(ls[j], x, ys[j], M, x16, threads);
+    }
 }
 
 /* x (M, d): the step's embeddings in, the residual stream after the last layer out; out (M, d): the final

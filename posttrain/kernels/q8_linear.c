@@ -33,7 +33,6 @@
  */
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) || defined(__AVX512VNNI__)
@@ -43,6 +42,7 @@
 #define Q8_VNNI 1
 #endif
 
+#include "linear_outputs.h"
 #include "vec_math.h"
 
 #define GROUP 32
@@ -214,14 +214,6 @@ static inline void rows_vnni(const int8_t* a, const float* d, const PairInput* p
 }
 #endif
 
-/* One of several linear layers over the same input (q8_linear_many): codes (N, K), scales (N, K / 32), y (M, N). */
-typedef struct {
-    const int8_t* codes;
-    const float* scales;
-    float* y;
-    int64_t N;
-} Q8Output;
-
 #ifndef Q8_VNNI
 typedef struct PairInput PairInput; /* the VNNI tiles' per-call inputs: none without them */
 #endif
@@ -238,19 +230,28 @@ static inline void output_rows(const int8_t* a, const float* d, const PairInput*
 #endif
 }
 
-/* Output rows in work units: one row at a time for a single input (ROW_BLOCK's comment), else blocks of ROW_BLOCK
- * rows and then the rows past the last whole block one by one. */
+typedef struct {
+    const int8_t* a;
+    const float* d;
+    const PairInput* prep;
+    const Q8Output* outs;
+    int64_t M, K;
+} Units;
+
+/* Unit u of output j: one row at a time for a single input (ROW_BLOCK's comment), else blocks of ROW_BLOCK rows and
+ * then the rows past the last whole block one by one. */
 static inline int64_t units_of(int64_t N, int64_t M) { return M == 1 ? N : N / ROW_BLOCK + N % ROW_BLOCK; }
 
-static inline void run_unit(const int8_t* a, const float* d, const PairInput* prep, const Q8Output* out, int64_t M,
-                            int64_t K, int64_t u) {
-    const int64_t N = out->N, blocks = N / ROW_BLOCK;
-    if (M == 1)
-        output_rows(a, d, prep, out->codes, out->scales, out->y, M, N, K, u, 1);
+static void run_unit(const void* context, int64_t j, int64_t u) {
+    const Units* c = context;
+    const Q8Output* out = c->outs + j;
+    const int64_t M = c->M, N = out->N, K = c->K, blocks = N / ROW_BLOCK;
+    if (M == 1) /* constant row counts at each call: the tiles' loops unroll */
+        output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, u, 1);
     else if (u < blocks)
-        output_rows(a, d, prep, out->codes, out->scales, out->y, M, N, K, u * ROW_BLOCK, ROW_BLOCK);
+        output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, u * ROW_BLOCK, ROW_BLOCK);
     else
-        output_rows(a, d, prep, out->codes, out->scales, out->y, M, N, K, blocks * ROW_BLOCK + (u - blocks), 1);
+        output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, blocks * ROW_BLOCK + (u - blocks), 1);
 }
 
 void q8_linear_many(const float* x, const Q8Output* outs, int64_t count, int64_t M, int64_t K, int threads) {
@@ -264,21 +265,11 @@ void q8_linear_many(const float* x, const Q8Output* outs, int64_t count, int64_t
     prep = aligned_alloc(64, sizeof(PairInput) * (size_t)(M * (G / 2) + 1)); /* + 1: never a size of 0 */
     prepare_pairs(d, sums, prep, M, G);
 #endif
-    int64_t total = 0;
-    for (int64_t j = 0; j < count; j++) total += units_of(outs[j].N, M);
-    /* one fork: each thread a contiguous run of the outputs' units, in order */
+    int64_t units[count];
+    for (int64_t j = 0; j < count; j++) units[j] = units_of(outs[j].N, M);
+    const Units context = {a, d, prep, outs, M, K};
 #pragma omp parallel num_threads(threads)
-    {
-        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = total * me / team, hi = total * (me + 1) / team;
-        int64_t first = 0; /* the first unit of output j, counted over all outputs */
-        for (int64_t j = 0; j < count && first < hi; j++) {
-            const int64_t units = units_of(outs[j].N, M);
-            for (int64_t u = (lo > first ? lo - first : 0); u < units && first + u < hi; u++)
-                run_unit(a, d, prep, outs + j, M, K, u);
-            first += units;
-        }
-    }
+    run_thread_share(units, count, run_unit, &context); /* one fork for all the outputs' rows */
     free(a);
     free(d);
     free(sums);

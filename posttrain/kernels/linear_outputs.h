@@ -1,0 +1,46 @@
+/* Several linear layers over the same input in one call (a decoder layer's q, k and v; its gate and up): the input
+ * prepared once (rounded to int8 groups or to bf16) and all the layers' rows under one fork, each output computed
+ * as the one-layer call computes it. What each output is, for q8_linear_many (q8_linear.c) and bf16_linear_many
+ * (bf16_linear.c); decode_step.c calls both. */
+#ifndef POSTTRAIN_LINEAR_OUTPUTS_H
+#define POSTTRAIN_LINEAR_OUTPUTS_H
+
+#include <omp.h>
+#include <stdint.h>
+
+typedef struct {
+    const int8_t* codes; /* (N, K) int8 */
+    const float* scales; /* (N, K / 32) fp32 */
+    float* y;            /* (M, N) */
+    int64_t N;
+} Q8Output;
+
+typedef struct {
+    const uint16_t* packed; /* bf16_pack(W (N, K)) */
+    const float* bias;      /* (N,) fp32 or NULL */
+    float* y;               /* (M, N) */
+    int64_t N;
+} Bf16Output;
+
+/* Inside a parallel region: the calling thread's share of the work of `count` outputs, output j in units[j] units,
+ * as one equal contiguous run of all the units in order, output after output (to within one unit): run(ctx, j, u)
+ * for each of its units u of output j. */
+static inline void run_thread_share(const int64_t* units, int64_t count, void (*run)(const void*, int64_t, int64_t),
+                                    const void* ctx) {
+    int64_t total = 0;
+    for (int64_t j = 0; j < count; j++) total += units[j];
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t lo = total * me / team, hi = total * (me + 1) / team;
+    int64_t first = 0; /* the first unit of output j, counted over all outputs */
+    for (int64_t j = 0; j < count && first < hi; j++) {
+        for (int64_t u = (lo > first ? lo - first : 0); u < units[j] && first + u < hi; u++) run(ctx, j, u);
+        first += units[j];
+    }
+}
+
+void q8_linear_many(const float* x, const Q8Output* outs, int64_t count, int64_t M, int64_t K, int threads);
+/* x16: scratch for M * 2 * ceil(K / 2) bf16s */
+void bf16_linear_many(const float* x, const Bf16Output* outs, int64_t count, int64_t M, int64_t K, uint16_t* x16,
+                      int threads);
+
+#endif
