@@ -7,7 +7,9 @@
  *
  * It computes what the engine's module path computes with the native kernels on, op for op and in the same
  * order, by calling the very same functions (f32_linear, int8_linear, q8_linear, rms_norm, add_rms_norm, rotary,
- * silu_mul, paged_write_kv, paged_decode_attention): the hidden states are bit for bit the module path's (tested).
+ * silu_mul, paged_write_kv, paged_decode_attention; q8_0 and bf16 layers over one input through the multi-output
+ * forms of their kernels, linear_outputs.h, which compute each output as the one-layer call does): the hidden
+ * states are bit for bit the module path's (tested).
  *
  * Per layer, x (M, d) the residual stream, updated in place:
  *     h = rms_norm(x)                                      input_layernorm
