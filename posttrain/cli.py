@@ -103,16 +103,17 @@ def _leave_process_groups() -> bool:
     return False
 
 
-def program() -> None:
-    """The `posttrain` program (the console script, `python -m posttrain`, what torchrun starts): main(), then
-    exit with its code.
+def program(argv: Sequence[str] | None = None) -> None:
+    """The `posttrain` program (the console script, `python -m posttrain`, what torchrun starts): main(argv), then
+    exit with its code. A wrapper module that torchrun starts in posttrain's place (tests/distributed) ends with
+    this too, not with sys.exit(main(...)).
 
     A torchrun rank whose command ran to its end exits without the interpreter's and the C++ runtime's teardown
     (os._exit after Python's exit handlers and a flush of the standard streams). Why: in that teardown gloo's
     threads may abort the rank ("terminate called without an active exception", SIGABRT) after a run whose work
     all landed, even with the groups destroyed first, and torchrun then fails the whole run. Everything the run
     writes is closed by then (checkpoints, metrics, trackers); only that teardown is skipped."""
-    code = main()
+    code = main(argv)
     if _left_process_groups:
         atexit._run_exitfuncs()  # logging's shutdown, a tracker library's own handlers
         sys.stdout.flush()

@@ -30,8 +30,7 @@ def reference_kernel() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    from posttrain.cli import main
+    from posttrain.cli import program
 
     with reference_kernel():
-        code = main(sys.argv[1:])
-    sys.exit(code)
+        program(sys.argv[1:])  # exits: a torchrun rank without the runtime's teardown (posttrain.cli.program)

@@ -23,7 +23,9 @@ def torchrun(
     """`torchrun --standalone --nproc-per-node nproc -m module argv` with this worktree's package, one thread
     per process; fails the test with the ranks' output when it exits non-zero (zero, with `should_fail`) or runs
     past `timeout` seconds (ranks out of step wait in a collective forever: torchrun and its ranks are then killed
-    together). module: posttrain's CLI, or a test's wrapper of it (tests/distributed/fp32_quant.py)."""
+    together). module: posttrain's CLI, or a test's wrapper of it (tests/distributed/fp32_quant.py), which ends with
+    `posttrain.cli.program(argv)` as the CLI does (a finished rank exits without the runtime's teardown, where gloo
+    may abort it)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,

@@ -25,7 +25,7 @@ def inject(fault: str, at_step: int) -> None:
 
 
 if __name__ == "__main__":
-    from posttrain.cli import main
+    from posttrain.cli import program
 
     inject(sys.argv[1], int(sys.argv[2]))
-    sys.exit(main(sys.argv[3:]))
+    program(sys.argv[3:])  # exits: a torchrun rank without the runtime's teardown (posttrain.cli.program)
