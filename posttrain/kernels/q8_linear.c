@@ -179,6 +179,12 @@ static inline void tile_vnni(const int8_t* a, const float* d, const PairInput* p
         const int64_t g = 2 * p;
         for (int r = 0; rows > 1 && r < ROW_BLOCK; r++) /* a cache line (two groups) of each row PREFETCH_BLOCKS ahead */
             __builtin_prefetch(codes + (n0 + PREFETCH_BLOCKS * ROW_BLOCK + r) * K + g * GROUP);
+        __m512i av[INPUT_BLOCK]; /* each input's two groups of codes, for every weight row of the tile */
+        const PairInput* in[INPUT_BLOCK];
+        for (int i = 0; i < inputs; i++) {
+            av[i] = _mm512_loadu_si512((const void*)(a + (m + i) * K + g * GROUP));
+            in[i] = prep + (m + i) * pairs + p;
+        }
         for (int r = 0; r < rows; r++) {
             const int8_t* row = codes + (n0 + r) * K + g * GROUP;
             const float* sr = scales + (n0 + r) * G + g;
@@ -186,10 +192,8 @@ static inline void tile_vnni(const int8_t* a, const float* d, const PairInput* p
             /* the row's two group scales, lanes 0-7 and 8-15 */
             const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(sr[0]), 0xff00, _mm_load_ss(sr + 1));
             for (int i = 0; i < inputs; i++) {
-                const PairInput* in = prep + (m + i) * pairs + p;
-                const __m512i av = _mm512_loadu_si512((const void*)(a + (m + i) * K + g * GROUP));
-                const __m512i dots = _mm512_dpbusd_epi32(in->start, w, av); /* exact int32 lane sums */
-                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(in->d, sv), acc[i][r]);
+                const __m512i dots = _mm512_dpbusd_epi32(in[i]->start, w, av[i]); /* exact int32 lane sums */
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(in[i]->d, sv), acc[i][r]);
             }
         }
     }
