@@ -127,15 +127,15 @@ class _Watch:
     # (tensor, its data pointer, its version or -1 where any version will do)
     tensors: list[tuple[torch.Tensor, int, int]] = dataclasses.field(default_factory=list)
     caches: list[int] = dataclasses.field(default_factory=list)  # the K/V pools' data pointers
-    _flat: tuple = ()  # the lists above as `seal` lays them out for `holds`
+    _flat: tuple = ()  # the lists above as `_layout` lays them out for `holds`, made at its first call
 
-    def seal(self) -> None:
-        """Lay the records out as parallel sequences, which `holds` walks with map() over C functions: no bytecode
-        per entry. A Python loop over the ~1000 entries of SmolLM2's table took ~1 ms a step at batch 1 (the objects
+    def _layout(self) -> tuple:
+        """The records as parallel sequences, which `holds` walks with map() over C functions: no bytecode per
+        entry. A Python loop over the ~2000 entries of SmolLM2's table took ~1 ms a step at batch 1 (the objects
         are out of cache after the weights stream by), a tenth of the step."""
         owners, keys, held = zip(*self.places) if self.places else ((), (), ())
         versioned = [(t, version) for t, _, version in self.tensors if version >= 0]
-        self._flat = (
+        return (
             owners,
             keys,
             list(held),
@@ -149,6 +149,8 @@ class _Watch:
     def holds(self, caches: list[torch.Tensor]) -> bool:
         if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or list(map(_DATA_PTR, caches)) != self.caches:
             return False
+        if not self._flat:  # the records are complete once the watch is checked: a table was built from them
+            self._flat = self._layout()
         owners, keys, held, modules, tensors, pointers, versioned, versions = self._flat
         return (
             all(map(operator.is_, map(dict.get, owners, keys), held))
@@ -288,7 +290,6 @@ class NativeDecode:
         if self._table is None or self._table.fingerprint != fingerprint:
             self._table = self._build(meta, rows, fingerprint)
         if self._table is not None:
-            watch.seal()
             self._table.watch = watch
         return self._table
 
