@@ -6,8 +6,9 @@ each). While one side is idle (the update waiting for a batch, the rollout waiti
 other runs all `total` threads: a fixed half each would leave a core idle for the whole of the other side's wait.
 
 Each side registers its thread once (`register`), says when it starts and stops waiting (`busy`), and calls `claim`
-at its safe points (the rollout before every engine step, the update before every micro-batch), where its count is
-set to what the other side's state allows. `claim` from a thread that did not register is a no-op, so the engine
+at its safe points (the rollout before every engine step, the update before every micro-batch and, through
+`claim_per_layer`, after every decoder layer of its forward and before every layer of its backward), where its count
+is set to what the other side's state allows. `claim` from a thread that did not register is a no-op, so the engine
 hook does nothing when the trainer steps the engine itself (evaluation, regenerating stale groups).
 
 `waiting()` marks the calling thread's side idle for a stretch in which it steps no engine and runs no update: the
@@ -22,10 +23,11 @@ over whole.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import Tensor, nn
 
 SIDES = ("rollout", "update")
 
@@ -76,3 +78,28 @@ class CoreShare:
         finally:
             self.busy(side, before)
             self.claim()
+
+    def claim_per_layer(self, layers: Iterable[nn.Module]) -> Callable[[], None]:
+        """`claim` after each of `layers`' forwards and, where the forward records a graph, again when the backward
+        reaches that layer; returns the function that removes the hooks.
+
+        A micro-batch can last seconds (the demo's whole batch is one), and the rollout side often goes idle a
+        fraction into it: claiming only per micro-batch left the update on its share of the cores for the rest of
+        it. Per layer, the cores follow the other side within one layer's compute. On a thread that did not
+        register (the engine's module forward when the trainer steps it) the claims are no-ops."""
+
+        def backward_claim(grad: Tensor) -> None:
+            self.claim()  # returns None: the gradient passes unchanged
+
+        def forward_claim(module: nn.Module, args: tuple, output: object) -> None:
+            self.claim()
+            if torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(backward_claim)
+
+        handles = [layer.register_forward_hook(forward_claim) for layer in layers]
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return remove
