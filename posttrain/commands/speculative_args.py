@@ -22,6 +22,12 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ngram-max", type=int, default=None, metavar="N", help="longest n-gram looked up (default: 4)")
     group.add_argument(
+        "--fixed-drafts",
+        action="store_true",
+        help="check every proposed draft; by default only as many as the acceptance rate so far pays for, none "
+        "where drafts are mostly rejected (docs/engine.md)",
+    )
+    group.add_argument(
         "--draft-model",
         default=None,
         metavar="NAME|DIR",
@@ -39,6 +45,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
             for flag, value in (
                 ("--num-speculative-tokens", args.num_speculative_tokens),
                 ("--ngram-max", args.ngram_max),
+                ("--fixed-drafts", args.fixed_drafts or None),
             )
             if value is not None
         ]
@@ -51,7 +58,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         raise PosttrainError("--speculative draft needs --draft-model NAME|DIR")
     if method == "draft" and args.ngram_max is not None:
         raise PosttrainError("--ngram-max goes with --speculative ngram")
-    fields: dict = {"method": method, "draft_model": args.draft_model}
+    fields: dict = {"method": method, "draft_model": args.draft_model, "adaptive": not args.fixed_drafts}
     if args.num_speculative_tokens is not None:
         fields["num_tokens"] = args.num_speculative_tokens
     if args.ngram_max is not None:

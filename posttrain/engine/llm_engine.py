@@ -7,6 +7,7 @@ tokenizer, when one is given); the scheduler, block manager and runner see token
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -234,7 +235,12 @@ class LLMEngine:
         for hook in self.before_step:
             hook()
         with self.weights_lock.engine_step():
-            return self._step()
+            if self.speculator is None:
+                return self._step()
+            start = time.perf_counter()
+            outputs = self._step()
+            self.speculator.step_took(time.perf_counter() - start)  # what a draft row costs (draft_length.py)
+            return outputs
 
     def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

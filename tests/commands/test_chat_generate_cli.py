@@ -157,6 +157,8 @@ def test_generate_with_speculative_decoding_prints_the_same_greedy_text(model_di
     expected = capsys.readouterr().out
     assert cli_main(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
     assert capsys.readouterr().out == expected
+    assert cli_main(base + ["--speculative", "ngram", "--fixed-drafts"]) == 0
+    assert capsys.readouterr().out == expected
     student = tmp_path / "student"
     assert cli_main(["convert", "--model", str(model_dir), "--out", str(student), "--num-layers", "1"]) == 0
     capsys.readouterr()
@@ -171,6 +173,7 @@ def test_generate_with_speculative_decoding_prints_the_same_greedy_text(model_di
         (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens=0: must be"),
         (["--speculative", "draft"], "--speculative draft needs --draft-model NAME|DIR"),
         (["--speculative", "ngram", "--draft-model", "x"], "--draft-model goes with --speculative draft"),
+        (["--fixed-drafts"], "--fixed-drafts needs --speculative ngram|draft"),
     ],
 )
 def test_bad_speculative_flags_are_one_line(model_dir, capsys, flags, expected):

@@ -24,12 +24,13 @@ VARIED, LOOPING = 2, 0
 REPEATING_PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
 
 
+# The checking machinery's tests check every proposal whole (adaptive off): they need drafts, accepted and rejected.
 def ngram(**fields) -> dict:
-    return {"method": "ngram", "num_tokens": 4, **fields}
+    return {"method": "ngram", "num_tokens": 4, "adaptive": False, **fields}
 
 
 def draft(**fields) -> dict:
-    return {"method": "draft", "num_tokens": 3, **fields}
+    return {"method": "draft", "num_tokens": 3, "adaptive": False, **fields}
 
 
 def sharpened(model: torch.nn.Module, factor: float) -> torch.nn.Module:
@@ -57,19 +58,26 @@ GREEDY_PARAMS = [
 
 
 @pytest.mark.parametrize(
-    ("seed", "method", "cpu_kernels"),
-    [(VARIED, "ngram", True), (LOOPING, "ngram", False), (VARIED, "draft", True), (LOOPING, "draft", True)],
+    ("seed", "method", "cpu_kernels", "adaptive"),
+    [
+        (VARIED, "ngram", True, False),
+        (LOOPING, "ngram", False, False),
+        (VARIED, "draft", True, False),
+        (LOOPING, "draft", True, False),
+        (VARIED, "ngram", True, True),
+        (LOOPING, "draft", True, True),
+    ],
 )
-def test_greedy_outputs_are_the_plain_engines(seed: int, method: str, cpu_kernels: bool) -> None:
+def test_greedy_outputs_are_the_plain_engines(seed: int, method: str, cpu_kernels: bool, adaptive: bool) -> None:
     """Every prompt under every setting of GREEDY_PARAMS in one batch, and the first few prompts one at a time."""
     model = tiny_model(seed)
     prompts = [p for p in [*PROMPTS, REPEATING_PROMPT] for _ in GREEDY_PARAMS]
     params = GREEDY_PARAMS * (len(PROMPTS) + 1)
     plain = make_llm(model, cpu_kernels=cpu_kernels, max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512)
     if method == "ngram":
-        spec_fields = {"speculative": ngram()}
+        spec_fields = {"speculative": ngram(adaptive=adaptive)}
     else:  # the layer-dropped student, as `posttrain convert --num-layers 1` would write it
-        spec_fields = {"speculative": draft(), "draft_model": keep_layers(model, [0])}
+        spec_fields = {"speculative": draft(adaptive=adaptive), "draft_model": keep_layers(model, [0])}
     spec = make_llm(
         model, cpu_kernels=cpu_kernels, max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, **spec_fields
     )

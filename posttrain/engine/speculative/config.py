@@ -21,13 +21,16 @@ class SpeculativeConfig:
     """`method`: "ngram" looks up the sequence's last `ngram_max` .. `ngram_min` tokens earlier in its own prompt
     and output and proposes what followed there (prompt lookup); "draft" runs `draft_model` (a smaller model
     with the target's tokenizer, e.g. `posttrain convert --num-layers N`), a name or path for `load_model`.
-    Each step proposes up to `num_tokens` tokens per decoding sequence, checked by the target in one forward."""
+    Each step proposes up to `num_tokens` tokens per decoding sequence, checked by the target in one forward.
+    `adaptive` (default): check only as many of them as the acceptance rate seen so far pays for, none where drafts
+    are mostly rejected (draft_length.py); off, every proposal is checked whole."""
 
     method: Literal["ngram", "draft"] = "ngram"
     num_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
     draft_model: str | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.draft_model, Path):
@@ -41,6 +44,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise SpeculativeConfigError(f"speculative.{name}={value!r}: must be an integer in [{low}, {high}]")
+        if not isinstance(self.adaptive, bool):
+            raise SpeculativeConfigError(f"speculative.adaptive={self.adaptive!r}: must be true or false")
         if self.ngram_min > self.ngram_max:
             raise SpeculativeConfigError(
                 f"speculative.ngram_min={self.ngram_min}: must be <= speculative.ngram_max={self.ngram_max}"

@@ -25,6 +25,7 @@ from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.speculative.acceptance import verify_drafts
 from posttrain.engine.speculative.config import SpeculativeConfig
+from posttrain.engine.speculative.draft_length import DraftLength
 from posttrain.engine.speculative.draft_model import DraftModelProposer
 from posttrain.engine.speculative.ngram import NgramProposer
 from posttrain.engine.speculative.proposal import Proposal, Proposer, sequence_uniforms
@@ -56,44 +57,80 @@ class SpeculativeDecoder:
         self.num_draft_tokens = 0  # drafts checked by the target
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # (sequence, step) pairs that checked drafts
+        self.num_skipped_tokens = 0  # n-gram drafts proposed but not checked: they would not have paid (adaptive)
+        self.length = DraftLength() if config.adaptive else None
+        self.step_shape: tuple[int, int] | None = None  # this step's (decoding sequences, draft rows), if pure decode
 
     # ---- drafting ----------------------------------------------------------------------------------------
 
     def add_drafts(self, batch: ScheduledBatch) -> None:
         """Give the batch's decoding sequences drafts (seq.draft_token_ids) and widen their share of the step to
-        the last token plus the drafts, within the token budget, max_model_len, max_tokens and the free blocks."""
+        the last token plus the drafts, within the token budget, max_model_len, max_tokens and the free blocks,
+        and, with `adaptive`, as many of each proposal's drafts as pay for their rows (draft_length.py)."""
+        self.step_shape = None
         budget = self.max_num_batched_tokens - batch.num_batched_tokens
         chosen: list[int] = []
         caps: list[int] = []
+        decoding = 0
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if budget <= 0:
-                break
             if num_new != 1 or seq.num_output_tokens == 0 or seq.num_uncomputed_tokens != 1:
                 continue  # prefilling: its next token comes from the prompt's logits
+            decoding += 1
+            if budget <= 0:
+                continue
             # a step appends at most drafts + 1 tokens: never past max_model_len or max_tokens
             cap = min(self.config.num_tokens, budget, self.max_model_len - seq.num_tokens - 1, _tokens_left(seq) - 1)
             if cap >= 1:
                 chosen.append(i)
                 caps.append(cap)
                 budget -= cap
+        if decoding == len(batch.seqs):  # a pure decode step: its time goes into the cost of a draft row
+            self.step_shape = (decoding, 0)
         if not chosen:
             return
+        length, num_seqs = self.length, len(batch.seqs)
+        if length is not None:
+            length.drafting_step()
+            fixed_kind = getattr(self.proposer, "kind", None)
+            if fixed_kind is not None:  # the draft model: decide before it runs, so unchecked drafts cost nothing
+                caps = length.choose([(fixed_kind, cap) for cap in caps], num_seqs)
+                chosen, caps = [i for i, c in zip(chosen, caps) if c], [c for c in caps if c]
+                if not chosen:
+                    return
         proposals = self.proposer.propose([batch.seqs[i] for i in chosen], caps)
+        counts = [len(p.token_ids) for p in proposals]
+        if length is not None:
+            wanted = length.choose([(p.kind, n) for p, n in zip(proposals, counts) if n], num_seqs)
+            chosen_counts = iter(wanted)
+            counts = [next(chosen_counts) if n else 0 for n in counts]
+            self.num_skipped_tokens += sum(len(p.token_ids) for p in proposals) - sum(counts)
         bm = self.block_manager
-        for i, proposal in zip(chosen, proposals):
-            seq, num_new = batch.seqs[i], 1 + len(proposal.token_ids)
+        draft_rows = 0
+        for i, proposal, count in zip(chosen, proposals, counts):
+            seq, num_new = batch.seqs[i], 1 + count
             if num_new == 1 or not bm.can_allocate(seq, num_new, self.reserve_blocks):
                 continue
             bm.allocate(seq, num_new)  # the last token's block is in place: only the drafts' new blocks
-            seq.draft_token_ids = list(proposal.token_ids)
+            seq.draft_token_ids = list(proposal.token_ids[:count])
             batch.num_new_tokens[i] = num_new
             self.pending[seq.seq_id] = proposal
+            draft_rows += count
+        if self.step_shape is not None:
+            self.step_shape = (decoding, draft_rows)
+
+    def step_took(self, seconds: float) -> None:
+        """The engine's step (drafting, the forward, the check) took `seconds`: a pure decode step's time feeds the
+        cost of a draft row."""
+        if self.length is not None and self.step_shape is not None:
+            self.length.step_took(*self.step_shape, seconds)
+        self.step_shape = None
 
     def discard(self, batch: ScheduledBatch) -> None:
         """The step failed: forget its drafts (the blocks they took stay with their sequences, to be used next)."""
         for seq in batch.seqs:
             seq.draft_token_ids = []
         self.pending.clear()
+        self.step_shape = None
 
     # ---- checking --------------------------------------------------------------------------------------------
 
@@ -125,7 +162,9 @@ class SpeculativeDecoder:
         kept_rows: list[int] = []  # the rows whose distributions gave the appended tokens
         kept_tokens: list[int] = []
         first = 0
-        for seq, count, accepted, last in zip(seqs, counts, num_accepted, next_token):
+        for seq, count, accepted, last, proposal in zip(seqs, counts, num_accepted, next_token, proposals):
+            if self.length is not None:
+                self.length.checked(proposal.kind, count, accepted)
             kept_rows.extend(range(first, first + accepted + 1))
             kept_tokens.extend([*seq.draft_token_ids[:accepted], last])
             first += count + 1
@@ -200,6 +239,7 @@ class SpeculativeDecoder:
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
             "spec_verifications": self.num_verifications,
+            "spec_skipped_draft_tokens": self.num_skipped_tokens,
             "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
             "spec_mean_accepted_length": (
                 self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0

@@ -36,6 +36,8 @@ class _Shadow:
 
 
 class DraftModelProposer:
+    kind = 0  # its proposals share one acceptance rate, known before it drafts (draft_length.py)
+
     def __init__(
         self,
         draft_model: torch.nn.Module,

@@ -34,6 +34,10 @@ class NgramIndex:
         """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix found. Where the
         match runs into the end of `tokens`, the proposal continues with its own tokens (a repeating pattern goes
         on repeating). [] when no suffix of ngram_min tokens occurred before."""
+        return self.match(tokens, count)[0]
+
+    def match(self, tokens: list[int], count: int) -> tuple[list[int], int]:
+        """`lookup`'s proposal and the length of the suffix it matched (0 with no proposal)."""
         length = len(tokens)
         for n in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
             end = self.latest_end.get(tuple(tokens[length - n :]))
@@ -43,8 +47,8 @@ class NgramIndex:
             for i in range(count):
                 j = end + i
                 proposal.append(tokens[j] if j < length else proposal[j - length])
-            return proposal
-        return []
+            return proposal, n
+        return [], 0
 
 
 class NgramProposer:
@@ -62,8 +66,8 @@ class NgramProposer:
                 entry = self.indexes[seq.seq_id] = (seq, NgramIndex(self.ngram_min, self.ngram_max))
             index = entry[1]
             index.update(seq.token_ids)
-            drafts = index.lookup(seq.token_ids, count)
-            proposals.append(Proposal(drafts) if drafts else NO_PROPOSAL)
+            drafts, matched = index.match(seq.token_ids, count)
+            proposals.append(Proposal(drafts, kind=matched) if drafts else NO_PROPOSAL)
         return proposals
 
     def _forget_finished(self) -> None:

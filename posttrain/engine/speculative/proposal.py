@@ -14,10 +14,12 @@ from posttrain.engine.sequence import Sequence
 @dataclass
 class Proposal:
     """Drafted tokens for one sequence. `probs` (len(token_ids), V): the distribution each was drawn from, or None
-    when each is a point mass (n-gram lookup; a draft model drafting for a greedy request)."""
+    when each is a point mass (n-gram lookup; a draft model drafting for a greedy request). `kind`: the class whose
+    acceptance rate it shares (draft_length.py): an n-gram match's length, 0 for the draft model."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    kind: int = 0
 
 
 NO_PROPOSAL = Proposal([])
