@@ -6,9 +6,9 @@ each). While one side is idle (the update waiting for a batch, the rollout waiti
 other runs all `total` threads: a fixed half each would leave a core idle for the whole of the other side's wait.
 
 Each side registers its thread once (`register`), says when it starts and stops waiting (`busy`), and calls `claim`
-at its safe points (the rollout before every engine step, the update before every micro-batch and, through
-`claim_per_layer`, after every decoder layer of its forward and before every layer of its backward), where its count
-is set to what the other side's state allows. `claim` from a thread that did not register is a no-op, so the engine
+at its safe points (the rollout before every engine step, the update before every micro-batch and, inside
+`autograd_claims`, at every tensor its forward saves and its backward reads back), where its count is set to what
+the other side's state allows. `claim` from a thread that did not register is a no-op, so the engine
 hook does nothing when the trainer steps the engine itself (evaluation, regenerating stale groups).
 
 `waiting()` marks the calling thread's side idle for a stretch in which it steps no engine and runs no update: the
@@ -23,11 +23,11 @@ over whole.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 SIDES = ("rollout", "update")
 
@@ -79,27 +79,19 @@ class CoreShare:
             self.busy(side, before)
             self.claim()
 
-    def claim_per_layer(self, layers: Iterable[nn.Module]) -> Callable[[], None]:
-        """`claim` after each of `layers`' forwards and, where the forward records a graph, again when the backward
-        reaches that layer; returns the function that removes the hooks.
+    def autograd_claims(self) -> AbstractContextManager:
+        """A context in which every tensor the forward saves for the backward, and every one the backward reads
+        back, first `claim`s: the update follows the other side op by op, in its forward and its backward.
 
         A micro-batch can last seconds (the demo's whole batch is one), and the rollout side often goes idle a
         fraction into it: claiming only per micro-batch left the update on its share of the cores for the rest of
-        it. Per layer, the cores follow the other side within one layer's compute. On a thread that did not
-        register (the engine's module forward when the trainer steps it) the claims are no-ops."""
+        it. torch's saved-tensor hooks are per thread, so the rollout thread's engine is untouched; they are not
+        module hooks, which would make the engine's native decode step (it skips module hooks, so it refuses
+        modules that have them) fall back to the modules. The hooks pass each tensor through unchanged; a claim is
+        a dict read and torch.get_num_threads() unless the count changes."""
 
-        def backward_claim(grad: Tensor) -> None:
-            self.claim()  # returns None: the gradient passes unchanged
-
-        def forward_claim(module: nn.Module, args: tuple, output: object) -> None:
+        def passing(tensor: Tensor) -> Tensor:
             self.claim()
-            if torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
-                output.register_hook(backward_claim)
+            return tensor
 
-        handles = [layer.register_forward_hook(forward_claim) for layer in layers]
-
-        def remove() -> None:
-            for handle in handles:
-                handle.remove()
-
-        return remove
+        return torch.autograd.graph.saved_tensors_hooks(passing, passing)

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 import torch
-from torch import nn
 
 from posttrain.rollout.core_share import CoreShare
 
@@ -49,40 +48,26 @@ def test_each_side_takes_every_core_while_the_other_waits() -> None:
     assert seen["rollout"] == [2, 4]  # and its count never leaked into this thread (checked above: 2 then 4)
 
 
-class _Probe(nn.Module):
-    """A layer that records the thread count its forward runs with."""
-
-    def __init__(self, seen: list[int]) -> None:
-        super().__init__()
-        self.seen = seen
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(torch.get_num_threads())
-        return x * 2
-
-
-def test_the_update_follows_the_rollout_layer_by_layer_in_forward_and_backward() -> None:
+def test_the_update_follows_the_rollout_op_by_op_in_forward_and_backward() -> None:
     cores = CoreShare(total=4, share=2)
     cores.register("update")
-    forward_seen: list[int] = []
-    layers = [_Probe(forward_seen) for _ in range(3)]
-    layers[0].register_forward_hook(lambda *_: cores.busy("rollout", False))  # the rollout goes idle mid-forward
-    remove = cores.claim_per_layer(layers)
-    x = torch.ones(2, requires_grad=True)
-    out = nn.Sequential(*layers)(x).sum()
-    assert forward_seen == [2, 4, 4]  # from the layer after the rollout went idle, every core
-    cores.busy("rollout", True)  # the rollout starts the next batch before the backward
+    x = torch.full((3,), 2.0, requires_grad=True)
     backward_seen: list[int] = []
     x.register_hook(lambda grad: backward_seen.append(torch.get_num_threads()))
-    out.backward()
-    assert backward_seen == [2]  # the backward's first layer gave the cores back
-    assert torch.equal(x.grad, torch.full((2,), 8.0))  # the hooks leave the gradient alone
+    with cores.autograd_claims():
+        y = x * x  # saves x for the backward: a claim, the rollout busy
+        assert torch.get_num_threads() == 2
+        cores.busy("rollout", False)  # the rollout goes idle mid-forward
+        loss = (y * y).sum()  # saves y: the update takes every core at once
+        assert torch.get_num_threads() == 4
+        cores.busy("rollout", True)  # the rollout starts the next batch before the backward
+        loss.backward()  # reading y and x back: the cores given back before the first op's backward
+    assert backward_seen == [2]
+    assert torch.equal(x.grad, torch.full((3,), 32.0))  # d(x^4)/dx = 4 x^3: the hooks pass tensors unchanged
 
-    remove()
     cores.busy("rollout", False)
-    forward_seen.clear()
-    nn.Sequential(*layers)(x).sum().backward()
-    assert forward_seen == [2, 2, 2]  # no claims once removed (the count stays the share)
+    (x * x).sum().backward()
+    assert torch.get_num_threads() == 2  # outside the context: no claims
 
 
 def test_an_unregistered_thread_is_left_alone() -> None:

@@ -191,3 +191,14 @@ def test_async_keys_from_the_command_line(tmp_path: Path) -> None:
         load_config(GRPOConfig, None, ["rollout.async_fill=1.5"])
     with pytest.raises(ConfigError, match="decoupled needs pi_old recomputed"):
         load_config(GRPOConfig, None, ["train.off_policy.mode=decoupled", "train.old_logprobs=rollout"])
+
+
+def test_the_async_update_leaves_the_engines_native_decode_step_on(tmp_path: Path, tok) -> None:
+    """The update's claims inside its forward and backward are per-thread saved-tensor hooks, not module hooks: the
+    rollout thread's decode steps still run natively (the native step refuses modules with forward hooks)."""
+    small = ("rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "train.minibatch_size=4")
+    sync, _ = _steps(tmp_path, tok, "sync", extra=small)
+    if sync.llm.engine.runner.native_decode is None or sync.llm.engine.runner.native_decode.steps == 0:
+        pytest.skip("no native decode step here (no kernel library)")
+    lazy, _ = _steps(tmp_path, tok, "async", extra=("rollout.mode=async", "rollout.max_staleness=1", *small))
+    assert lazy.llm.engine.runner.native_decode.steps >= sync.llm.engine.runner.native_decode.steps // 2

@@ -9,8 +9,8 @@ of wall time each side was busy. After the update, tell the producer it may go o
 Threads (rollout/core_share.py): torch's intra-op thread count is per thread. While both sides are busy each runs
 `rollout.async_threads` (default: half of torch's threads, at least 1; with two cores, one each); while one side
 waits (the update for a batch, the rollout at the staleness bound) the other runs all of them. The rollout thread
-sets its count before every engine step, the update before every micro-batch and at every decoder layer of its
-forward and backward. The count is restored at the end.
+sets its count before every engine step, the update before every micro-batch and at every tensor its forward saves
+for the backward and the backward reads (CoreShare.autograd_claims). The count is restored at the end.
 
 Determinism and resume: every prompt is seeded from (train.seed, step, its place), as rollout.seed_prompts does,
 so a step's samples depend on the weights they are drawn under and on nothing else (not on thread timing). With
@@ -28,14 +28,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import nn
 
 from posttrain.errors import ConfigError
-from posttrain.models.transformer import DecoderLayer
 from posttrain.rollout.batch import RolloutBatch, concat_batches
 from posttrain.rollout.collect import prompt_seed_base
 from posttrain.rollout.core_share import CoreShare
@@ -148,6 +146,10 @@ class StepConsumer:
         """Before each micro-batch of the update: take the share of the cores the rollout side leaves (in one
         process; rollout processes have cores of their own)."""
 
+    def update_claims(self) -> AbstractContextManager:
+        """Around the update: claims within its forwards and backwards (one process only)."""
+        return nullcontext()
+
     def step_done(self, step: int) -> dict[str, float]:
         """Let the producer go on past `step`; the share of wall time each side was busy since the last call."""
         self.producer.update_done(step)
@@ -177,7 +179,6 @@ class AsyncRollout(StepConsumer):
         share = cfg.rollout.async_threads or max(1, self.threads_before // 2)
         self.cores = CoreShare(total=max(self.threads_before, share), share=share)
         self.cores.register("update")
-        self.unhook_layers = self.cores.claim_per_layer(decoder_layers(run.model))
         updates, k = updates_per_step(cfg), cfg.rollout.max_staleness
         if 0 < k < updates:
             logger.warning(
@@ -216,6 +217,9 @@ class AsyncRollout(StepConsumer):
     def claim_cores(self) -> None:
         self.cores.claim()
 
+    def update_claims(self) -> AbstractContextManager:
+        return self.cores.autograd_claims()
+
     def step_done(self, step: int) -> dict[str, float]:
         metrics = super().step_done(step)
         if isinstance(self.run.source, StepPrompts):
@@ -226,18 +230,12 @@ class AsyncRollout(StepConsumer):
         super().close()
         if self.fill is not None:
             self.fill.close()
-        self.unhook_layers()
         hooks = self.run.llm.engine.before_step
         if self.cores.claim in hooks:
             hooks.remove(self.cores.claim)
         if self.run.llm.engine.waiting == self.cores.waiting:
             self.run.llm.engine.waiting = nullcontext
         torch.set_num_threads(self.threads_before)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The policy's decoder layers, wherever its wrappers (LoRA, DDP / FSDP2) put them."""
-    return [module for module in model.modules() if isinstance(module, DecoderLayer)]
 
 
 def tail_fill(run: Any, lead: int, may_start: Callable[[int], bool]) -> TailFill | None:

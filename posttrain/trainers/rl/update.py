@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +88,12 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     )
 
 
+def update_claims(run: RLRun) -> AbstractContextManager:
+    """Around the update: async in one process, claims within every forward and backward as well
+    (CoreShare.autograd_claims), so a long micro-batch takes the cores as soon as the rollout thread goes idle."""
+    return run.async_rollout.update_claims() if run.async_rollout is not None else nullcontext()
+
+
 def claim_cores(run: RLRun) -> None:
     """Before each micro-batch: async in one process, this thread takes the cores the rollout thread leaves it
     (all of them while it waits at the staleness bound, rollout/core_share.py)."""
@@ -136,24 +142,26 @@ def update_policy(run: RLRun, step: int, data: StepBatch, targets: UpdateTargets
     plan = _trained_packs(run, data, targets.advantages)
     means.add({"update/skipped_group_frac": sum(p.skipped_groups for p in plan) / data.num_groups}, 1.0)
     run.model.train()
-    for update, chosen in enumerate(minibatches(len(plan), max(minibatch // micro, 1), run.cfg.train.epochs)):
-        counts = _minibatch_counts(run, [targets.loss_mask[data.slices[m], : data.packs[m].max_len] for m in chosen])
-        denominators = {key: max(count, 1.0) for key, count in counts.items()}
-        run.optimizer.zero_grad(set_to_none=True)
-        trained = [plan[m] for m in chosen if plan[m].pack is not None]  # a zero-advantage micro-batch adds 0
-        if not trained:
-            # Nothing to differentiate, yet the optimizer still steps (Adam's moments and weight decay
-            # move the weights) exactly as with the zero gradient the full pass would have given.
-            for param in run.trainable:
-                param.grad = torch.zeros_like(param)
-        out = accumulate_gradients(
-            trained,
-            lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),  # noqa: B023 (called in this iteration)
-            denominators,
-            run.parallel,
-        )
-        tokens += out.pop("tokens", 0)
-        _optimizer_step(run, step, out, counts["tokens"], means)
+    with update_claims(run):
+        for update, chosen in enumerate(minibatches(len(plan), max(minibatch // micro, 1), run.cfg.train.epochs)):
+            masks = [targets.loss_mask[data.slices[m], : data.packs[m].max_len] for m in chosen]
+            counts = _minibatch_counts(run, masks)
+            denominators = {key: max(count, 1.0) for key, count in counts.items()}
+            run.optimizer.zero_grad(set_to_none=True)
+            trained = [plan[m] for m in chosen if plan[m].pack is not None]  # a zero-advantage micro-batch adds 0
+            if not trained:
+                # Nothing to differentiate, yet the optimizer still steps (Adam's moments and weight decay
+                # move the weights) exactly as with the zero gradient the full pass would have given.
+                for param in run.trainable:
+                    param.grad = torch.zeros_like(param)
+            out = accumulate_gradients(
+                trained,
+                lambda m: _micro_loss(run, data, targets, m, denominators, means, first=update == 0),  # noqa: B023 (called in this iteration)
+                denominators,
+                run.parallel,
+            )
+            tokens += out.pop("tokens", 0)
+            _optimizer_step(run, step, out, counts["tokens"], means)
     run.model.eval()
     return means.result(), tokens
 
