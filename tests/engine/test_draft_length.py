@@ -8,7 +8,13 @@ import pytest
 
 from posttrain.engine import SamplingParams
 from posttrain.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
-from posttrain.engine.speculative.draft_length import DEFAULT_ROW_COST, MIN_TIMED, DraftLength, best_count
+from posttrain.engine.speculative.draft_length import (
+    DEFAULT_ROW_COST,
+    MIN_TIMED,
+    DraftLength,
+    best_count,
+    guessed_step_cost,
+)
 from tests.engine.test_engine import PROMPTS
 from tests.engine.test_speculative import LOOPING, REPEATING_PROMPT, VARIED, token_ids
 from tests.engine.tiny import make_llm, tiny_model
@@ -48,7 +54,7 @@ def test_step_cost_comes_from_the_engines_decode_steps() -> None:
     assert length.step_cost(1, 1) == pytest.approx(1.3, rel=1e-3)
     assert length.step_cost(1, 4) == pytest.approx(1.6, rel=1e-3)
     assert length.step_cost(1, 2) == pytest.approx(1.2)  # not timed: still the guess, so it gets tried
-    assert length.step_cost(8, 4) == pytest.approx(1.4)  # another batch size: its own times
+    assert length.step_cost(8, 4) == pytest.approx(1 + 0.4 / 1.7)  # another batch size: its own times (the guess)
     assert length.step_cost(1, 0) == 1.0
 
 
@@ -85,9 +91,10 @@ def test_rejected_kinds_stop_drafting_and_are_tried_again_later() -> None:
 
 @pytest.fixture
 def row_cost_01(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A draft row costs a tenth of a plain step, whatever the clock says: the tiny model's steps are mostly Python
-    (a row there costs about a whole step, and drafting would stop at once), and timing makes tests flaky."""
-    monkeypatch.setattr(DraftLength, "step_cost", lambda self, num_seqs, rows: 1.0 + 0.1 * rows)
+    """Draft rows cost the untimed guess (a tenth of a step at batch 1), whatever the clock says: the tiny model's
+    steps are mostly Python (a row there costs about a whole step, and drafting would stop at once), and timing
+    makes tests flaky."""
+    monkeypatch.setattr(DraftLength, "step_cost", lambda self, num_seqs, rows: guessed_step_cost(num_seqs, rows))
 
 
 def _generate(seed: int, prompts: list[list[int]], adaptive: bool, max_tokens: int = 60):

@@ -18,8 +18,10 @@ every extra draft pays. `DraftLength` estimates both sides as it goes and picks,
   kind whose drafts stopped being checked drifts back to the prior and is tried again now and then.
 - T(r), per number of sequences in the step and number r of draft rows in it: the seconds of the engine's own
   decode steps of that shape (timed whole: proposing, the forward, the acceptance test), an average kept once
-  MIN_TIMED of them were seen (the first check of a run pays one-time costs); until then 1 + DEFAULT_ROW_COST * r
-  plain steps, an optimistic guess that gets the shape tried and timed. Not a line: at SmolLM2's batch 1 on CPU in
+  MIN_TIMED of them were seen (the first check of a run pays one-time costs); until then `guessed_step_cost`, an
+  optimistic guess that gets the shape tried and timed: a step as a fixed part (the weights' bytes) plus a part per
+  row, one row costing DEFAULT_ROW_COST of a one-row step, so that r extra rows in a step of S sequences cost
+  r c / (1 + (S - 1) c) of it (0.1 a row at batch 1, 0.014 at 64 sequences). Not a line: at SmolLM2's batch 1 on CPU in
   q8_0, the first draft row cost ~0.3 of a plain step (a checking step's fixed costs) and each further one ~0.1.
   Where a step is mostly Python (a tiny model) a draft row costs about a plain step, and drafting stops.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_ROW_COST = 0.1  # a draft row's cost in plain steps, for a step shape not timed yet
+DEFAULT_ROW_COST = 0.1  # a row's share of a one-row step's time, for a step shape not timed yet
 DECAY = 0.98  # per drafting step: acceptance counts from ~50 such steps ago weigh a third
 TIME_EMA = 0.1  # weight of the newest step in the step-time averages
 MIN_TIMED = 3  # steps of a shape before its measured time replaces the guess
@@ -50,6 +52,12 @@ class _Acceptance:
 def expected_tokens(rate: float, drafts: int) -> float:
     """1 + p + ... + p^k: the drafts accepted in a row plus the target's own token."""
     return sum(rate**j for j in range(drafts + 1))
+
+
+def guessed_step_cost(num_seqs: int, rows: int) -> float:
+    """A decode step of `num_seqs` sequences and `rows` draft rows, in plain steps, before any was timed."""
+    c = DEFAULT_ROW_COST
+    return 1.0 + rows * c / (1.0 + (num_seqs - 1) * c)
 
 
 def best_count(rate: float, row_cost: float, most: int) -> int:
@@ -78,7 +86,7 @@ class DraftLength:
         if rows == 0:
             return 1.0
         if min(self.timed.get((num_seqs, 0), 0), self.timed.get((num_seqs, rows), 0)) < MIN_TIMED:
-            return 1.0 + DEFAULT_ROW_COST * rows
+            return guessed_step_cost(num_seqs, rows)
         return self.step_s[num_seqs, rows] / self.step_s[num_seqs, 0]
 
     def choose(self, proposals: list[tuple[int, int]], num_seqs: int) -> list[int]:
