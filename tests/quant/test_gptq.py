@@ -171,3 +171,35 @@ def test_model_errors():
         gptq_quantize_model(model, "int4-g32", torch.randint(3, 128, (2, 8)))
     with pytest.raises(PosttrainError, match="calibration_ids must be \\(samples, seq_len\\) int64"):
         gptq_quantize_model(tiny_model(), "int4-g32", torch.zeros(8, dtype=torch.long))
+
+
+class _TwoStages(torch.nn.Module):
+    """`second`'s input is made right after `first`'s is freed, with its shape: the allocator may hand it the
+    same address (o_proj after q/k/v's normed input, in a decoder layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(64, 64, bias=False)
+        self.second = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x * 2.0)  # the product is freed once `first` returns
+        return self.second(h + 1.0)
+
+
+def test_hessians_of_linears_fed_different_tensors_stay_apart_when_an_address_is_reused():
+    from posttrain.quant.gptq_model import _HessianCollector
+
+    torch.manual_seed(0)
+    model, x = _TwoStages(), torch.randn(64, 48, 64)  # 786 KB inputs: glibc hands a freed block of that size back
+    with torch.no_grad():
+        model(x)  # warm the allocator: from now on the product's freed block is what `h + 1` gets
+        collector = _HessianCollector({"first": model.first, "second": model.second})
+        collector.new_forward()
+        model(x)
+        collector.close()
+        first_input = (x * 2.0).reshape(-1, 64)
+        second_input = model.first(first_input) + 1.0
+    assert "second" not in collector.alias
+    torch.testing.assert_close(collector.sums["first"], (first_input.T @ first_input).double())
+    torch.testing.assert_close(collector.sums["second"], (second_input.T @ second_input).double())
