@@ -54,9 +54,6 @@
  * input rows the arithmetic is the limit, and the blocks' shared activation loads win (1.4-1.6x at 5-256 rows). */
 #define ROW_BLOCK 4
 #define PREFETCH_BLOCKS 8
-#ifndef STREAM_INPUTS
-#define STREAM_INPUTS 1
-#endif
 /* Inputs of more rows than this round their activations on all threads; a decode step's few on one, where the
  * fork would cost more than the rounding. */
 #define SERIAL_QUANTIZE_ROWS 16
@@ -247,15 +244,13 @@ typedef struct {
 
 /* Unit u of output j: one row at a time for a single input (ROW_BLOCK's comment), else blocks of ROW_BLOCK rows and
  * then the rows past the last whole block one by one. */
-static inline int64_t units_of(int64_t N, int64_t M) {
-    return M <= STREAM_INPUTS ? N : N / ROW_BLOCK + N % ROW_BLOCK;
-}
+static inline int64_t units_of(int64_t N, int64_t M) { return M == 1 ? N : N / ROW_BLOCK + N % ROW_BLOCK; }
 
 static void run_unit(const void* context, int64_t j, int64_t u) {
     const Units* c = context;
     const Q8Output* out = c->outs + j;
     const int64_t M = c->M, N = out->N, K = c->K, blocks = N / ROW_BLOCK;
-    if (M <= STREAM_INPUTS) /* constant row counts at each call: the tiles' loops unroll */
+    if (M == 1) /* constant row counts at each call: the tiles' loops unroll */
         output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, u, 1);
     else if (u < blocks)
         output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, u * ROW_BLOCK, ROW_BLOCK);
