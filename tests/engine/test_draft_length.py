@@ -11,13 +11,31 @@ from posttrain.engine.speculative.config import SpeculativeConfig, SpeculativeCo
 from posttrain.engine.speculative.draft_length import (
     DEFAULT_ROW_COST,
     MIN_TIMED,
+    Acceptance,
     DraftLength,
-    best_count,
     guessed_step_cost,
 )
 from tests.engine.test_engine import PROMPTS
 from tests.engine.test_speculative import LOOPING, REPEATING_PROMPT, VARIED, token_ids
 from tests.engine.tiny import make_llm, tiny_model
+
+
+class _EvenRows(DraftLength):
+    """Every draft row costs `row_cost` of a plain step."""
+
+    def __init__(self, row_cost: float) -> None:
+        super().__init__()
+        self.row_cost = row_cost
+
+    def step_cost(self, num_seqs: int, rows: int) -> float:
+        return 1.0 + self.row_cost * rows
+
+
+def best_count(rate: float, row_cost: float, most: int) -> int:
+    """The count one sequence checks of `most` drafts accepted at `rate`, when every row costs `row_cost`."""
+    length, checked = _EvenRows(row_cost), 1e6
+    length.acceptance[1] = Acceptance(accepted=rate * (checked + 2) - 1, checked=checked)  # rate = `rate`
+    return length.choose([(1, most)], num_seqs=1)[0]
 
 
 def test_best_count_weighs_expected_tokens_against_row_cost() -> None:
@@ -68,7 +86,9 @@ def test_choose_reads_the_measured_costs_and_the_steps_other_drafts() -> None:
         length.checked(kind=1, drafts=4, accepted=0)  # p near 0
     assert length.choose([(2, 4)], num_seqs=1) == [4]  # ~4.6 tokens for 1.6 steps
     assert length.choose([(1, 4)], num_seqs=1) == [0]
-    length.acceptance[3] = type(length.acceptance[1])(accepted=1, checked=8)  # p = 0.2
+    assert length.choose([(5, 0), (2, 4)], num_seqs=2) == [0, 4]  # nothing proposed: nothing checked
+    assert 5 not in length.acceptance
+    length.acceptance[3] = Acceptance(accepted=1, checked=8)  # p = 0.2
     # p = 0.2 under these costs: k = 1 gives 1.2 tokens for 1.3 steps; were every row 0.1, one draft would pay
     assert length.choose([(3, 4)], num_seqs=1) == [0]
     assert best_count(0.2, 0.1, 4) == 1

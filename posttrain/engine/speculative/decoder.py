@@ -100,10 +100,9 @@ class SpeculativeDecoder:
         proposals = self.proposer.propose([batch.seqs[i] for i in chosen], caps)
         counts = [len(p.token_ids) for p in proposals]
         if length is not None:
-            wanted = length.choose([(p.kind, n) for p, n in zip(proposals, counts) if n], num_seqs)
-            chosen_counts = iter(wanted)
-            counts = [next(chosen_counts) if n else 0 for n in counts]
-            self.num_skipped_tokens += sum(len(p.token_ids) for p in proposals) - sum(counts)
+            proposed = sum(counts)
+            counts = length.choose([(p.kind, n) for p, n in zip(proposals, counts)], num_seqs)
+            self.num_skipped_tokens += proposed - sum(counts)
         bm = self.block_manager
         draft_rows = 0
         for i, proposal, count in zip(chosen, proposals, counts):

@@ -40,7 +40,9 @@ MIN_TIMED = 3  # steps of a shape before its measured time replaces the guess
 
 
 @dataclass
-class _Acceptance:
+class Acceptance:
+    """A kind's drafts accepted and checked (decayed counts), and the rate they give."""
+
     accepted: float = 0.0
     checked: float = 0.0
 
@@ -60,13 +62,8 @@ def guessed_step_cost(num_seqs: int, rows: int) -> float:
     return 1.0 + rows * c / (1.0 + (num_seqs - 1) * c)
 
 
-def best_count(rate: float, row_cost: float, most: int) -> int:
-    """The k in [0, most] with the most expected tokens per unit of step cost 1 + row_cost * k (smallest k on
-    ties): the choice for one sequence when every draft row costs the same."""
-    return _best(lambda k: expected_tokens(rate, k), lambda k: 1.0 + row_cost * k, most)
-
-
 def _best(tokens, cost, most: int) -> int:  # noqa: ANN001 (callables of k)
+    """The k in [0, most] with the most tokens(k) per cost(k), the smallest on ties."""
     best, best_value = 0, tokens(0) / cost(0)
     for k in range(1, most + 1):
         value = tokens(k) / cost(k)
@@ -77,7 +74,7 @@ def _best(tokens, cost, most: int) -> int:  # noqa: ANN001 (callables of k)
 
 class DraftLength:
     def __init__(self) -> None:
-        self.acceptance: dict[int, _Acceptance] = {}
+        self.acceptance: dict[int, Acceptance] = {}
         self.step_s: dict[tuple[int, int], float] = {}  # (sequences, draft rows) -> a decode step's seconds (EMA)
         self.timed: dict[tuple[int, int], int] = {}  # (sequences, draft rows) -> steps timed
 
@@ -91,10 +88,14 @@ class DraftLength:
 
     def choose(self, proposals: list[tuple[int, int]], num_seqs: int) -> list[int]:
         """How many drafts to check of each (kind, proposed count) of a step of `num_seqs` decoding sequences: for
-        each in turn the count with the most expected tokens of the step per unit of its time."""
+        each in turn the count with the most expected tokens of the step per unit of its time (0 where none was
+        proposed)."""
         tokens, rows, counts = float(num_seqs), 0, []
         for kind, proposed in proposals:
-            rate = self.acceptance.setdefault(kind, _Acceptance()).rate
+            if proposed == 0:
+                counts.append(0)
+                continue
+            rate = self.acceptance.setdefault(kind, Acceptance()).rate
             base, before = tokens - 1.0, rows
             k = _best(
                 lambda k: base + expected_tokens(rate, k),  # noqa: B023 (used in this iteration)
@@ -115,7 +116,7 @@ class DraftLength:
     def checked(self, kind: int, drafts: int, accepted: int) -> None:
         """A check of `drafts` drafts of `kind` accepted the first `accepted`: each accepted one counts, and the
         first rejected one (the later ones were never reached, so say nothing about p)."""
-        stats = self.acceptance.setdefault(kind, _Acceptance())
+        stats = self.acceptance.setdefault(kind, Acceptance())
         stats.accepted += accepted
         stats.checked += min(accepted + 1, drafts)
 
