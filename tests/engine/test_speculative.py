@@ -12,7 +12,7 @@ import torch
 
 from posttrain.engine import EngineConfig, LLMEngine, SamplingParams
 from posttrain.engine.speculative import acceptance
-from posttrain.engine.speculative.acceptance import verify_drafts
+from posttrain.engine.speculative.acceptance import verify_drafts, verify_greedy_drafts
 from posttrain.engine.speculative.draft_length import DraftLength
 from posttrain.engine.speculative.ngram import NgramIndex
 from posttrain.errors import PosttrainError
@@ -278,6 +278,36 @@ def test_greedy_targets_accept_exactly_their_argmax() -> None:
     for drafts, accepted, last in (([1, 2, 0], 2, 3), ([1, 2, 3], 3, 4), ([0, 2, 3], 0, 1)):
         got = verify_drafts(p, torch.tensor([drafts]), torch.tensor([3]), None, torch.zeros(1, 4, dtype=torch.float64))
         assert (int(got[0]), int(got[1])) == (accepted, last)
+
+
+def test_the_greedy_check_keeps_what_the_sampling_pipeline_keeps() -> None:
+    """The plain-greedy shortcut (argmax compare) against the acceptance rule on the pipeline's point masses, on the
+    same logits, with drafts that match their rows' argmax for a while and rows whose maximum is tied (the first
+    maximum is the token `sample` picks: a last-maximum argmax would keep other drafts here)."""
+    generator = torch.Generator().manual_seed(0)
+    counts = [3, 1, 4, 2, 4]
+    logits = torch.randn(sum(counts) + len(counts), 11, generator=generator)
+    logits[:, 7] = logits[:, 2] = logits.max(dim=-1).values + 1.0  # every row's top is tied between tokens 2 and 7
+    logits[[1, 6, 12], 9] = 9.0  # a few rows with a clear winner
+    best = logits.max(dim=-1).indices.tolist()
+    assert set(best) == {2, 9}
+    drafts, first = [], 0
+    for i, count in enumerate(counts):  # sequence i's drafts follow the argmax for its first i % (count + 1) rows
+        drafts.append([best[first + j] if j < i % (count + 1) else 7 for j in range(count)])
+        first += count + 1
+    num_accepted, next_token = verify_greedy_drafts(logits, drafts)
+    probs = torch.zeros_like(logits)
+    probs[torch.arange(len(best)), torch.tensor(best)] = 1.0  # draw_probabilities' greedy rows
+    target = torch.zeros(len(counts), max(counts) + 1, logits.shape[1])
+    first = 0
+    for b, count in enumerate(counts):
+        target[b, : count + 1] = probs[first : first + count + 1]
+        first += count + 1
+    padded = torch.tensor([tokens + [0] * (max(counts) - len(tokens)) for tokens in drafts])
+    uniforms = torch.zeros(len(counts), max(counts) + 1, dtype=torch.float64)
+    want_accepted, want_next = verify_drafts(target, padded, torch.tensor(counts), None, uniforms)
+    assert num_accepted == want_accepted.tolist() == [0, 1, 2, 0, 4]
+    assert next_token == want_next.tolist()
 
 
 def test_sampled_logprobs_are_the_targets() -> None:

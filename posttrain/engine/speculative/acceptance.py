@@ -69,3 +69,21 @@ def verify_drafts(
         weights = torch.where(rejected[:, None], residual_distribution(target_last, draft_last), target_last)
     next_token = sample_from_weights(weights.float(), uniforms[:, max_drafts])  # (B,)
     return num_accepted, next_token
+
+
+def verify_greedy_drafts(logits: torch.Tensor, drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """`verify_drafts` for greedy targets without penalties or masks, straight from the logits: a draft is kept while
+    it is its row's argmax (the first maximum: the token `sample` picks), and the row after the kept drafts gives the
+    next token. No distribution is formed and no random number drawn. logits (R, V): each sequence's 1 + k rows in
+    turn, k = len(drafts[b]). Returns (num_accepted, next_token) per sequence."""
+    best = logits.max(dim=-1).indices.tolist()  # (R,)
+    num_accepted, next_token = [], []
+    first = 0
+    for tokens in drafts:
+        accepted = 0
+        while accepted < len(tokens) and tokens[accepted] == best[first + accepted]:
+            accepted += 1
+        num_accepted.append(accepted)
+        next_token.append(best[first + accepted])
+        first += len(tokens) + 1
+    return num_accepted, next_token

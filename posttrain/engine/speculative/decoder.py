@@ -5,7 +5,8 @@ A step with drafts: the scheduler schedules as always (one token per decoding se
 proposer for up to `num_tokens` tokens per decoding sequence and widens its share of the step to 1 + k tokens
 (the last token and the drafts, a short prefill-like chunk over the paged KV; the blocks they need are allocated
 here, never by preempting another sequence). The runner returns the logits of all 1 + k positions; `verify` runs
-the acceptance rule (acceptance.py) under each request's sampling settings and returns the tokens to append: the
+the acceptance rule (acceptance.py) under each request's sampling settings (for a step of plain greedy requests,
+straight from the logits' argmax: no distributions formed) and returns the tokens to append: the
 accepted drafts, then one token from the target (the correction at the first rejection, or one past the last
 draft), each with the target's logprob. The engine appends them one at a time (stops, max_tokens and stop
 strings apply to each as in plain decoding) and gives back the blocks that held only rejected positions; K/V
@@ -23,7 +24,7 @@ from posttrain.engine.config import EngineConfig
 from posttrain.engine.sampler import SamplingRow, SamplingWorkspace, draw_probabilities, reported_logprobs
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
-from posttrain.engine.speculative.acceptance import verify_drafts
+from posttrain.engine.speculative.acceptance import verify_drafts, verify_greedy_drafts
 from posttrain.engine.speculative.config import SpeculativeConfig
 from posttrain.engine.speculative.draft_length import DraftLength
 from posttrain.engine.speculative.draft_model import DraftModelProposer
@@ -140,23 +141,15 @@ class SpeculativeDecoder:
         the drafts."""
         seqs = [seq for seq, _ in checking]
         counts = [len(seq.draft_token_ids) for seq in seqs]
-        rows: list[SamplingRow] = []  # one per position: the history before it includes the drafts before it
-        index: list[int] = []
-        for seq, first in checking:
-            drafts, prompt, output = seq.draft_token_ids, seq.prompt_token_ids, seq.output_token_ids
-            rows.extend(
-                SamplingRow(seq.params, prompt, output + drafts[:j], seq.generator, self.eos_token_ids)
-                for j in range(len(drafts) + 1)
-            )
-            index.extend(range(first, first + len(drafts) + 1))
+        index = [row for (_, first), count in zip(checking, counts) for row in range(first, first + count + 1)]
         if index != list(range(logits.shape[0])):
             logits = logits[torch.tensor(index, device=logits.device)]
-        scaled, probs = draw_probabilities(logits, rows, self.workspace)  # (R, V) each
         proposals = [self.pending.pop(seq.seq_id) for seq in seqs]
-        num_accepted, next_token = verify_drafts(
-            *self._padded(probs, seqs, counts, proposals), sequence_uniforms(seqs, max(counts) + 1, probs.device)
-        )
-        num_accepted, next_token = num_accepted.tolist(), next_token.tolist()
+        if all(_plain_greedy(seq) for seq in seqs):
+            scaled, rows = logits.float(), None
+            num_accepted, next_token = verify_greedy_drafts(scaled, [seq.draft_token_ids for seq in seqs])
+        else:
+            scaled, rows, num_accepted, next_token = self._sampled_check(logits, seqs, counts, proposals)
 
         kept_rows: list[int] = []  # the rows whose distributions gave the appended tokens
         kept_tokens: list[int] = []
@@ -167,11 +160,15 @@ class SpeculativeDecoder:
             kept_rows.extend(range(first, first + accepted + 1))
             kept_tokens.extend([*seq.draft_token_ids[:accepted], last])
             first += count + 1
+        if rows is None:  # the greedy check: only the kept rows' settings matter (top logprobs)
+            owners = [seq for seq, count, accepted in zip(seqs, counts, num_accepted) for _ in range(accepted + 1)]
+            kept = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids) for seq in owners]
+        else:
+            kept = [rows[r] for r in kept_rows]
+        for seq in seqs:
             seq.draft_token_ids = []
         logprobs, top = reported_logprobs(
-            scaled[torch.tensor(kept_rows, device=scaled.device)],
-            [rows[r] for r in kept_rows],
-            torch.tensor(kept_tokens, device=scaled.device),
+            scaled[torch.tensor(kept_rows, device=scaled.device)], kept, torch.tensor(kept_tokens, device=scaled.device)
         )
         logprobs = logprobs.tolist()
         self.num_verifications += len(seqs)
@@ -186,6 +183,25 @@ class SpeculativeDecoder:
             )
             start = end
         return appended
+
+    def _sampled_check(
+        self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int], proposals: list[Proposal]
+    ) -> tuple[torch.Tensor, list[SamplingRow], list[int], list[int]]:
+        """The acceptance rule under each request's sampling settings. logits (R, V): each sequence's 1 + k rows in
+        turn. Returns (the scaled logits (R, V) the reported logprobs come from, one SamplingRow per row,
+        num_accepted and next_token per sequence)."""
+        rows: list[SamplingRow] = []  # one per position: the history before it includes the drafts before it
+        for seq in seqs:
+            drafts, prompt, output = seq.draft_token_ids, seq.prompt_token_ids, seq.output_token_ids
+            rows.extend(
+                SamplingRow(seq.params, prompt, output + drafts[:j], seq.generator, self.eos_token_ids)
+                for j in range(len(drafts) + 1)
+            )
+        scaled, probs = draw_probabilities(logits, rows, self.workspace)  # (R, V) each
+        num_accepted, next_token = verify_drafts(
+            *self._padded(probs, seqs, counts, proposals), sequence_uniforms(seqs, max(counts) + 1, probs.device)
+        )
+        return scaled, rows, num_accepted.tolist(), next_token.tolist()
 
     @staticmethod
     def _padded(
@@ -245,6 +261,13 @@ class SpeculativeDecoder:
             ),
             **self.proposer.stats(),
         }
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's draws are its logits' argmax at every checked position: greedy, with no penalty and
+    no min_tokens mask left (its output is already that long, so the drafts after it are too)."""
+    params = seq.params
+    return params.is_greedy and not params.has_penalties and seq.num_output_tokens >= params.min_tokens
 
 
 def _tokens_left(seq: Sequence) -> int:
