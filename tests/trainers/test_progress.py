@@ -1,5 +1,5 @@
 """The progress bar counts against the bound that ends the run: the time budget when it binds (GRPO's demo:
-max_steps=1000 in a 27-minute budget), the steps otherwise; its ETA follows that bound. A fake clock stands
+max_steps=800 in a 27-minute budget), the steps otherwise; its ETA follows that bound. A fake clock stands
 in for the minutes."""
 
 from __future__ import annotations

@@ -164,7 +164,9 @@ class RLTrainSection:
     is sampled fresh every step), not passes over the prompt data as the offline trainers' `epochs` are
     (sections.TrainSection)."""
 
-    max_steps: int = 1000
+    # The lr's cosine runs over these steps (rl_optim); about what the demo's 27 minutes hold on a 2-core CPU with
+    # fast bf16 (640-710 steps measured), so its lr has come down near the floor when the budget ends the run.
+    max_steps: int = 800
     # Wall-clock budget of the whole run (load, evals and save included): a step starts only if it, the
     # final evaluation and the save still fit. None: no budget.
     max_minutes: float | None = 27.0
@@ -224,8 +226,10 @@ class RLTrainSection:
 
 
 def rl_optim() -> OptimSection:
-    """RL's optimizer defaults: a constant LR (a fresh batch every step, no epoch to anneal over)."""
-    return OptimSection(lr=3e-5, betas=(0.9, 0.99), schedule="constant")
+    """RL's optimizer defaults: the lr falls along a cosine over train.max_steps to a tenth of the peak. The late,
+    smaller steps settle the policy: the demo's held-out accuracy after 27 minutes, 81-91% over three runs with a
+    constant lr, was 97% and 99% in two runs with this one (docs/rl.md)."""
+    return OptimSection(lr=3e-5, betas=(0.9, 0.99), schedule="cosine", min_lr_ratio=0.1)
 
 
 @dataclass
