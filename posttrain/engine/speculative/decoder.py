@@ -146,10 +146,10 @@ class SpeculativeDecoder:
             logits = logits[torch.tensor(index, device=logits.device)]
         proposals = [self.pending.pop(seq.seq_id) for seq in seqs]
         if all(_plain_greedy(seq) for seq in seqs):
-            scaled, rows = logits.float(), None
+            scaled = logits.float()
             num_accepted, next_token = verify_greedy_drafts(scaled, [seq.draft_token_ids for seq in seqs])
         else:
-            scaled, rows, num_accepted, next_token = self._sampled_check(logits, seqs, counts, proposals)
+            scaled, num_accepted, next_token = self._sampled_check(logits, seqs, counts, proposals)
 
         kept_rows: list[int] = []  # the rows whose distributions gave the appended tokens
         kept_tokens: list[int] = []
@@ -160,11 +160,9 @@ class SpeculativeDecoder:
             kept_rows.extend(range(first, first + accepted + 1))
             kept_tokens.extend([*seq.draft_token_ids[:accepted], last])
             first += count + 1
-        if rows is None:  # the greedy check: only the kept rows' settings matter (top logprobs)
-            owners = [seq for seq, count, accepted in zip(seqs, counts, num_accepted) for _ in range(accepted + 1)]
-            kept = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids) for seq in owners]
-        else:
-            kept = [rows[r] for r in kept_rows]
+        # what reported_logprobs reads of a row is its settings (top logprobs): one row per kept token, its sequence's
+        owners = [seq for seq, accepted in zip(seqs, num_accepted) for _ in range(accepted + 1)]
+        kept = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids) for seq in owners]
         for seq in seqs:
             seq.draft_token_ids = []
         logprobs, top = reported_logprobs(
@@ -186,10 +184,10 @@ class SpeculativeDecoder:
 
     def _sampled_check(
         self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int], proposals: list[Proposal]
-    ) -> tuple[torch.Tensor, list[SamplingRow], list[int], list[int]]:
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
         """The acceptance rule under each request's sampling settings. logits (R, V): each sequence's 1 + k rows in
-        turn. Returns (the scaled logits (R, V) the reported logprobs come from, one SamplingRow per row,
-        num_accepted and next_token per sequence)."""
+        turn. Returns (the scaled logits (R, V) the reported logprobs come from, num_accepted and next_token per
+        sequence)."""
         rows: list[SamplingRow] = []  # one per position: the history before it includes the drafts before it
         for seq in seqs:
             drafts, prompt, output = seq.draft_token_ids, seq.prompt_token_ids, seq.output_token_ids
@@ -201,7 +199,7 @@ class SpeculativeDecoder:
         num_accepted, next_token = verify_drafts(
             *self._padded(probs, seqs, counts, proposals), sequence_uniforms(seqs, max(counts) + 1, probs.device)
         )
-        return scaled, rows, num_accepted.tolist(), next_token.tolist()
+        return scaled, num_accepted.tolist(), next_token.tolist()
 
     @staticmethod
     def _padded(
