@@ -67,11 +67,11 @@ class _HessianCollector:
         self.sums: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = {}
         self.alias: dict[str, str] = {}  # linear -> the linear whose sum it shares
-        self._seen: dict[tuple, str] = {}  # (data_ptr, shape) of an input this forward -> first linear fed it
-        # Those inputs, held until the forward ends: a tensor freed mid-forward (q/k/v's normed input) could
-        # otherwise hand its address to a later input of the same shape (o_proj's), which would then read as
-        # "the same tensor" and share q's sum (a GPTQ worse than round-to-nearest, depending on the allocator).
-        self._inputs: list[torch.Tensor] = []
+        # (data_ptr, shape) of an input this forward -> (the first linear fed it, the input). The input is held until
+        # the forward ends: a tensor freed mid-forward (q/k/v's normed input) could otherwise hand its address to a
+        # later input of the same shape (o_proj's), which would then read as "the same tensor" and share q's sum
+        # (a GPTQ worse than round-to-nearest, depending on the allocator).
+        self._seen: dict[tuple, tuple[str, torch.Tensor]] = {}
         self._ran: set[str] = set()  # linears that ran in this forward
         self._handles = [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
 
@@ -79,12 +79,11 @@ class _HessianCollector:
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             x = inputs[0]
             key = (x.data_ptr(), tuple(x.shape))
-            owner = self._seen.setdefault(key, name)
+            owner, _ = self._seen.setdefault(key, (name, x))
             self._ran.add(name)
             if owner != name:
                 self.alias[name] = owner
             else:
-                self._inputs.append(x)
                 self._accumulate(name, x)
             if self.stop and self._ran >= self.pending:
                 raise _StopForward
@@ -101,7 +100,6 @@ class _HessianCollector:
 
     def new_forward(self) -> None:
         self._seen.clear()  # tensors of the last forward are let go; their addresses may be reused
-        self._inputs.clear()
         self._ran.clear()
 
     def hessian(self, name: str) -> torch.Tensor:
@@ -113,7 +111,7 @@ class _HessianCollector:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._inputs.clear()
+        self._seen.clear()
 
 
 def _stages(linears: dict[str, nn.Module], run: Callable[[_HessianCollector], None]) -> list[list[str]]:
