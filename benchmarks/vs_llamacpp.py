@@ -23,6 +23,10 @@ Precisions: llama.cpp F32 against posttrain fp32, BF16 against posttrain's fp32 
 `quant="q8_0"` (the decoder and the LM head in int8, as the Q8_0 file rounds both).
 `--speculative K` also runs posttrain's batch 1 with prompt-lookup (n-gram) drafts of K tokens on the same module
 (`batch1_speculative`, its acceptance rate, and `batch1_speculative_ratio` against llama.cpp's plain batch 1).
+`--rounds R` measures each precision R times, the sides alternating (llama.cpp then posttrain in odd rounds,
+posttrain then llama.cpp in even ones): on a machine whose speed drifts between minutes, a ratio from one pair of
+runs says as much about the minute as about the engines. Each figure is then the median over the rounds, each
+ratio the median of the rounds' own ratios, and `rounds` lists every round's figures.
 Prints progress to stderr and one JSON object as the last line of stdout: per precision both sides' figures and
 `batched_ratio`, `batch1_ratio` (posttrain / llama.cpp; above 1: posttrain is faster).
 """
@@ -31,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -196,6 +202,44 @@ def speculative_batch1(plain_llm, compute: str, prompt: list[int], greedy, num_t
     }
 
 
+def ratios(theirs: dict, ours: dict) -> dict:
+    """posttrain / llama.cpp for each workload both sides measured (above 1: posttrain is faster)."""
+    out = {"batched_ratio": ours["batched"] / theirs["batched"], "batch1_ratio": ours["batch1"] / theirs["batch1"]}
+    if "batch1_speculative" in ours:
+        out["batch1_speculative_ratio"] = ours["batch1_speculative"] / theirs["batch1"]
+    return out
+
+
+def summarize(rounds: list[tuple[dict, dict]]) -> dict:
+    """One precision's report from its rounds of (llama.cpp's figures, posttrain's): each side's numeric figures
+    as medians over the rounds, flags (`speculative_identical`) true only if true in every round, the rest (the
+    dtype) from the first round; each ratio the median of the rounds' own ratios; with more than one round, every
+    round's figures under `rounds`."""
+
+    def combined(values: list) -> object:
+        if isinstance(values[0], bool):
+            return all(values)
+        if isinstance(values[0], (int, float)):
+            return statistics.median(values)
+        return values[0]
+
+    def medians(results: list[dict]) -> dict:
+        return {key: combined([r[key] for r in results]) for key in results[0]}
+
+    per_round = [ratios(theirs, ours) for theirs, ours in rounds]
+    report = {
+        "llamacpp": medians([theirs for theirs, _ in rounds]),
+        "posttrain": medians([ours for _, ours in rounds]),
+        **{key: round(statistics.median(r[key] for r in per_round), 3) for key in per_round[0]},
+    }
+    if len(rounds) > 1:
+        report["rounds"] = [
+            {"llamacpp": theirs, "posttrain": ours, **{k: round(v, 3) for k, v in r.items()}}
+            for (theirs, ours), r in zip(rounds, per_round)
+        ]
+    return report
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llamacpp", type=Path, default=None, help="build-llamacpp.sh's DEST (bin/, GGUFs)")
@@ -210,6 +254,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="also posttrain's batch 1 with n-gram speculative decoding, K drafts a step (default: off)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="measure each precision R times, the two sides alternating; report medians (default: 1)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan as the JSON line; run nothing")
     args = parser.parse_args(argv)
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
@@ -218,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--precisions: {','.join(unknown) or 'none given'} (choose from {', '.join(PRECISIONS)})")
     if args.speculative < 0:
         parser.error(f"--speculative={args.speculative}: a number of draft tokens >= 1, or 0 for off")
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds}: must be a positive integer")
     if args.threads < 1:
         parser.error(f"--threads={args.threads}: must be a positive integer")
     if not args.dry_run and args.llamacpp is None:
@@ -245,19 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     for precision in args.precisions:
-        log(f"llama.cpp {precision} ...")
-        theirs = run_llamacpp(llamacpp, args.hf_dir, precision, workload, args.threads)
-        log(f"  {theirs}\nposttrain against {precision} ...")
-        ours = run_posttrain(str(args.hf_dir), precision, workload, args.speculative)
-        log(f"  {ours}")
-        report[precision] = {
-            "llamacpp": theirs,
-            "posttrain": ours,
-            "batched_ratio": round(ours["batched"] / theirs["batched"], 3),
-            "batch1_ratio": round(ours["batch1"] / theirs["batch1"], 3),
-        }
-        if args.speculative:
-            report[precision]["batch1_speculative_ratio"] = round(ours["batch1_speculative"] / theirs["batch1"], 3)
+        rounds = []
+        for number in range(1, args.rounds + 1):
+            sides = {
+                "llama.cpp": functools.partial(run_llamacpp, llamacpp, args.hf_dir, precision, workload, args.threads),
+                "posttrain": functools.partial(run_posttrain, str(args.hf_dir), precision, workload, args.speculative),
+            }
+            order = list(sides) if number % 2 else list(reversed(sides))  # even rounds: posttrain first
+            figures = {}
+            for side in order:
+                log(f"{side} {precision} (round {number} of {args.rounds}) ...")
+                figures[side] = sides[side]()
+                log(f"  {figures[side]}")
+            rounds.append((figures["llama.cpp"], figures["posttrain"]))
+        report[precision] = summarize(rounds)
     print(json.dumps(report))
     return 0
 

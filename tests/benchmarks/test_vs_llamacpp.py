@@ -78,6 +78,7 @@ def test_decode_rate_leaves_out_the_prefill_and_the_first_token(monkeypatch: pyt
     [
         (["--precisions", "f16"], "--precisions: f16"),
         (["--dry-run", "--threads", "0"], "--threads=0"),
+        (["--dry-run", "--rounds", "0"], "--rounds=0"),
         ([], "--llamacpp DIR is needed"),
         (["--llamacpp", "/nonexistent"], "no bin/llama-batched-bench"),
     ],
@@ -88,3 +89,51 @@ def test_bad_arguments_get_one_line(
     with pytest.raises(SystemExit):
         _module(monkeypatch).parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_rounds_report_medians_and_the_median_of_each_rounds_ratio(monkeypatch: pytest.MonkeyPatch):
+    """Three rounds in which the machine's speed moved: both sides slowed in round 2. The ratio is the median of
+    the rounds' own ratios (1.0), not the ratio of the medians (0.9); flags hold only if they held every round."""
+    summarize = _module(monkeypatch).summarize
+    theirs = [{"batched": 100.0, "batch1": 100.0}, {"batched": 50.0, "batch1": 50.0}, {"batched": 90.0, "batch1": 80.0}]
+    ours = [
+        {
+            "batched": 110.0,
+            "batch1": 100.0,
+            "dtype": "bfloat16",
+            "batch1_speculative": 120.0,
+            "speculative_identical": True,
+        },
+        {
+            "batched": 60.0,
+            "batch1": 45.0,
+            "dtype": "bfloat16",
+            "batch1_speculative": 60.0,
+            "speculative_identical": False,
+        },
+        {
+            "batched": 99.0,
+            "batch1": 80.0,
+            "dtype": "bfloat16",
+            "batch1_speculative": 90.0,
+            "speculative_identical": True,
+        },
+    ]
+    report = summarize(list(zip(theirs, ours)))
+    assert report["llamacpp"] == {"batched": 90.0, "batch1": 80.0}
+    assert report["posttrain"]["batch1"] == 80.0 and report["posttrain"]["dtype"] == "bfloat16"
+    assert report["posttrain"]["speculative_identical"] is False
+    assert report["batch1_ratio"] == 1.0  # rounds: 1.0, 0.9, 1.0
+    assert report["batched_ratio"] == 1.1  # rounds: 1.1, 1.2, 1.1
+    assert report["batch1_speculative_ratio"] == 1.2  # rounds: 1.2, 1.2, 1.125
+    assert [r["batch1_ratio"] for r in report["rounds"]] == [1.0, 0.9, 1.0]
+
+
+def test_one_round_reports_as_before(monkeypatch: pytest.MonkeyPatch):
+    report = _module(monkeypatch).summarize([({"batched": 300.0, "batch1": 90.0}, {"batched": 330.0, "batch1": 99.0})])
+    assert report == {
+        "llamacpp": {"batched": 300.0, "batch1": 90.0},
+        "posttrain": {"batched": 330.0, "batch1": 99.0},
+        "batched_ratio": 1.1,
+        "batch1_ratio": 1.1,
+    }
