@@ -273,7 +273,7 @@ void q8_linear_many(const float* x, const Q8Output* outs, int64_t count, int64_t
     for (int64_t j = 0; j < count; j++) units[j] = units_of(outs[j].N, M);
     const Units context = {a, d, prep, outs, M, K};
 #pragma omp parallel num_threads(threads)
-    run_thread_share(units, count, run_unit, &context); /* one fork for all the outputs' rows */
+    run_guided_share(units, count, run_unit, &context); /* one fork for all the outputs' rows */
     free(a);
     free(d);
     free(sums);
