@@ -111,12 +111,26 @@ def parse_batched_bench(output: str) -> dict[int, float]:
     return speeds
 
 
+def convert(llamacpp: Path, hf_dir: Path, precision: str) -> None:
+    """The GGUF at `precision` from the HF export, with the build's converter; a failure is one line naming the
+    converter's own last words (a module it could not import, a file it could not read)."""
+    env = {**os.environ, "PYTHONPATH": str(llamacpp / "gguf-py")}
+    command = convert_command(llamacpp, hf_dir, precision)
+    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        sys.exit(
+            f"error: converting {hf_dir} to {gguf_path(llamacpp, precision)} failed ({done.returncode}): {last} "
+            f"(benchmarks/build_llamacpp.sh DEST HF_DIR copies the converter with what it imports and installs "
+            f"sentencepiece)"
+        )
+
+
 def run_llamacpp(llamacpp: Path, hf_dir: Path | None, precision: str, workload: Workload, threads: int) -> dict:
     if not gguf_path(llamacpp, precision).exists():
         if hf_dir is None:
             sys.exit(f"error: {gguf_path(llamacpp, precision)} is missing: pass --hf-dir to convert it")
-        env = {**os.environ, "PYTHONPATH": str(llamacpp / "gguf-py")}
-        subprocess.run(convert_command(llamacpp, hf_dir, precision), check=True, env=env, stdout=subprocess.DEVNULL)
+        convert(llamacpp, hf_dir, precision)
     command = batched_bench_command(llamacpp, precision, workload, threads)
     env = {**os.environ, "LD_LIBRARY_PATH": str(llamacpp / "bin")}
     done = subprocess.run(command, capture_output=True, text=True, env=env)

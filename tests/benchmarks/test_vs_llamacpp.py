@@ -137,3 +137,18 @@ def test_one_round_reports_as_before(monkeypatch: pytest.MonkeyPatch):
         "batched_ratio": 1.1,
         "batch1_ratio": 1.1,
     }
+
+
+def test_a_failed_conversion_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The converter's last line of stderr (here, a module it cannot import) in one error naming the HF dir and the
+    GGUF, not a CalledProcessError traceback."""
+    module = _module(monkeypatch)
+    (tmp_path / "convert_hf_to_gguf.py").write_text(
+        "import sys\nprint('Traceback ...', file=sys.stderr)\n"
+        "print(\"ModuleNotFoundError: No module named 'conversion'\", file=sys.stderr)\nsys.exit(1)\n"
+    )
+    with pytest.raises(SystemExit) as exited:
+        module.convert(tmp_path, tmp_path / "hf", "q8_0")
+    message = str(exited.value)
+    assert message.startswith(f"error: converting {tmp_path / 'hf'} to {tmp_path / 'smollm2-q8_0.gguf'} failed (1): ")
+    assert "No module named 'conversion'" in message and "\n" not in message
