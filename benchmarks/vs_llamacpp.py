@@ -312,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     for precision in args.precisions:
+        sides = {
+            "llama.cpp": functools.partial(run_llamacpp, llamacpp, args.hf_dir, precision, workload, args.threads),
+            "posttrain": functools.partial(run_posttrain, str(args.hf_dir), precision, workload, args.speculative),
+        }
         rounds = []
         for number in range(1, args.rounds + 1):
-            sides = {
-                "llama.cpp": functools.partial(run_llamacpp, llamacpp, args.hf_dir, precision, workload, args.threads),
-                "posttrain": functools.partial(run_posttrain, str(args.hf_dir), precision, workload, args.speculative),
-            }
             order = list(sides) if number % 2 else list(reversed(sides))  # even rounds: posttrain first
             figures = {}
             for side in order:
