@@ -13,7 +13,9 @@ Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up
 - batched: llama.cpp's `llama-batched-bench -npp 95 -ntg T -npl 1,S -pps` (S parallel sequences sharing one
   95-token prompt, T new tokens each; its decode tokens/s, S_TG); posttrain's engine on P GSM8K prompts
   (examples/data) x n samples x T tokens at temperature 1, EOS ignored (S = P x n).
-- batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy.
+- batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy, with
+  the engine's default chained greedy steps (`decode_steps` in the JSON) and again one step at a time
+  (`batch1_one_step`, `one_step_identical`: the same tokens).
 Both sides count decode only: S_TG leaves out the prompt's processing, and posttrain's figure is the tokens after
 each sequence's first over their time (a run with max_tokens=1, the prefill and the first token, is timed apart
 and taken out; `decode_rate`).
@@ -176,6 +178,8 @@ def run_posttrain(hf_dir: str, precision: str, workload: Workload, speculative: 
     plain = outputs[0].outputs[0].token_ids
     computed = str(llm.engine.runner.compute_dtype).removeprefix("torch.")
     result = {"batched": batched, "batch1": batch1, "dtype": computed, "quant": quant}
+    result["decode_steps"] = llm.engine.config.decode_steps
+    result.update(one_step_batch1(llm, compute, prompts[0], greedy, plain))
     if speculative:
         result.update(speculative_batch1(llm, compute, prompts[0], greedy, speculative, plain))
     return result
@@ -193,6 +197,17 @@ def decode_rate(llm, prompts: list[list[int]], params) -> tuple[float, list]:  #
         runs.append((time.perf_counter() - start, sum(len(c.token_ids) for o in outputs for c in o.outputs)))
     (first_s, first_tokens), (all_s, all_tokens) = runs
     return (all_tokens - first_tokens) / (all_s - first_s), outputs
+
+
+def one_step_batch1(chained_llm, compute: str, prompt: list[int], greedy, plain: list[int]) -> dict:  # noqa: ANN001
+    """Batch 1 again one decode step at a time (EngineConfig.decode_steps=1: no chained greedy steps) over the same
+    module: what the chains bring, and whether the greedy output is the same (it must be)."""
+    from posttrain.engine import LLM, SamplingParams
+
+    llm = LLM(chained_llm.engine.model, chained_llm.tokenizer, compute_dtype=compute, max_num_seqs=1, decode_steps=1)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    rate, outputs = decode_rate(llm, [prompt], greedy)
+    return {"batch1_one_step": rate, "one_step_identical": list(outputs[0].outputs[0].token_ids) == list(plain)}
 
 
 def speculative_batch1(plain_llm, compute: str, prompt: list[int], greedy, num_tokens: int, plain: list[int]) -> dict:  # noqa: ANN001

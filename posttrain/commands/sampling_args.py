@@ -21,6 +21,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature:
     group.add_argument("--seed", type=int, default=None, help="same seed, same output")
     group.add_argument("--max-model-len", type=int, default=None, help="engine context limit (default: model's)")
     add_compute_dtype_argument(group)
+    add_decode_steps_argument(group)
+
+
+def add_decode_steps_argument(group: argparse._ActionsContainer) -> None:
+    """--decode-steps, EngineConfig.decode_steps (generate, chat, serve)."""
+    group.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="greedy decode steps chained in one native call (default: 8; 1 = one step at a time); the same tokens, "
+        "streamed up to this many at a time",
+    )
 
 
 def add_compute_dtype_argument(group: argparse._ActionsContainer) -> None:
@@ -53,13 +65,15 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides) -> Sampling
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the flags: --max-model-len, --compute-dtype, and the speculative decoding flags when
+    """EngineConfig fields from the flags: --max-model-len, --compute-dtype, --decode-steps, and the speculative decoding flags when
     the command has them (commands/speculative_args.py)."""
     from posttrain.commands.speculative_args import speculative_config
 
     kwargs: dict = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.compute_dtype is not None:
         kwargs["compute_dtype"] = args.compute_dtype
+    if args.decode_steps is not None:
+        kwargs["decode_steps"] = args.decode_steps
     if hasattr(args, "speculative"):
         speculative = speculative_config(args)
         if speculative is not None:

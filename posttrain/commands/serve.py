@@ -7,7 +7,7 @@ import os
 import sys
 
 from posttrain.commands.common import add_model_arguments, add_quant_argument
-from posttrain.commands.sampling_args import add_compute_dtype_argument
+from posttrain.commands.sampling_args import add_compute_dtype_argument, add_decode_steps_argument
 from posttrain.commands.speculative_args import add_speculative_arguments, speculative_config
 from posttrain.errors import PosttrainError
 
@@ -62,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
     add_compute_dtype_argument(engine)
+    add_decode_steps_argument(engine)
     add_speculative_arguments(parser)
 
 
@@ -79,6 +80,7 @@ def engine_config(args: argparse.Namespace):
             "kv_cache_bytes",
             "kv_cache_memory_fraction",
             "compute_dtype",
+            "decode_steps",
         )
         if getattr(args, name) is not None
     }

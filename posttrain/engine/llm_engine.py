@@ -19,12 +19,13 @@ from posttrain.engine.bf16_weights import resolve_compute_dtype
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
+from posttrain.engine.greedy_steps import chain_length, halting_tokens
 from posttrain.engine.outputs import CompletionOutput, RequestOutput
 from posttrain.engine.prompt_logprobs import PromptLogprobs
 from posttrain.engine.runner import ModelRunner
 from posttrain.engine.sampler import make_generator
 from posttrain.engine.sampling_params import SamplingParams
-from posttrain.engine.scheduler import Scheduler
+from posttrain.engine.scheduler import ScheduledBatch, Scheduler
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.speculative.decoder import build_speculative_decoder
 from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
@@ -97,6 +98,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.asleep = False
         self.num_steps = 0
+        self.chained_steps = 1  # the decode steps the last engine step chained (greedy_steps.py)
         self.num_generated_tokens = 0
         self.num_processed_tokens = 0  # tokens through the model (prefill + decode), for throughput figures
         self._seed_rng = random.Random(0)
@@ -237,9 +239,10 @@ class LLMEngine:
         with self.weights_lock.engine_step():
             if self.speculator is None:
                 return self._step()
-            start = time.perf_counter()
+            start, self.chained_steps = time.perf_counter(), 1
             outputs = self._step()
-            self.speculator.step_took(time.perf_counter() - start)  # what a draft row costs (draft_length.py)
+            # what a draft row costs (draft_length.py), against a plain step's time: a chain's share per step
+            self.speculator.step_took((time.perf_counter() - start) / self.chained_steps)
             return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -251,6 +254,11 @@ class LLMEngine:
         try:
             if self.speculator is not None:
                 self.speculator.add_drafts(batch)
+            # chained greedy steps (greedy_steps.py) where the batch allows them and nothing waits to be admitted
+            if not self.scheduler.waiting and not any(seq.draft_token_ids for seq in batch.seqs):
+                outputs = self._chained_steps(batch)
+                if outputs is not None:
+                    return outputs
             out = self.runner.execute(batch)
         except BaseException:
             # Blocks published for this step hold no valid K/V now.
@@ -295,6 +303,10 @@ class LLMEngine:
             else:
                 logits = out.logits if len(drawing) == len(groups) else out.logits[drawing]  # (R', V)
             self._draw(logits, [groups[i] for i in drawing], touched)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+        """The step's outputs: the requests it finished, and the streaming ones it appended to."""
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -307,6 +319,39 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.release()
         return outputs
+
+    def _chained_steps(self, batch: ScheduledBatch) -> list[RequestOutput] | None:
+        """Run the decode batch as up to `decode_steps` chained greedy steps in one native call and append each
+        sequence's tokens; None, having changed nothing but the blocks it made room in, where it does not qualify
+        (greedy_steps.py) or the native step cannot take it."""
+        steps = chain_length(batch, self.config.decode_steps, self.max_model_len)
+        bm = self.block_manager
+        if steps == 1:
+            return None
+        reserve = int(self.config.watermark * self.num_blocks)  # as the speculative decoder's drafts leave free
+        if sum(bm.num_new_blocks(seq, steps) for seq in batch.seqs) + reserve > bm.num_free_blocks:
+            return None  # short of blocks: one step at a time, which the scheduler makes room for
+        for seq in batch.seqs:
+            bm.allocate(seq, steps)  # the first token's block is in place: the later ones' new blocks
+        ran = self.runner.execute_greedy_steps(batch, steps, halting_tokens(batch.seqs, self.eos_token_ids))
+        if ran is None:
+            return None
+        tokens, logits = ran  # (n, S), (n, S, V)
+        n, vocab = tokens.shape[0], logits.shape[-1]
+        self.num_steps += 1
+        self.chained_steps = n
+        self.num_processed_tokens += n * len(batch.seqs)
+        # the sampler's own greedy draw and logprobs over each sequence's n rows in turn: what n plain steps report
+        drawn = self.runner.sample(
+            logits.transpose(0, 1).reshape(-1, vocab), [[seq] for seq in batch.seqs for _ in range(n)], set()
+        )
+        # the tokens the chain fed forward (the sampler's argmax over the same rows is the same first maximum)
+        token_ids, logprobs, top = tokens.T.reshape(-1).tolist(), drawn.logprobs.tolist(), drawn.top_logprobs
+        touched: dict[str, _Request] = {}
+        for i, seq in enumerate(batch.seqs):
+            rows = range(i * n, (i + 1) * n)
+            self._append_computed(seq, [(token_ids[r], logprobs[r], top[r] if top else None) for r in rows], touched)
+        return self._outputs(touched)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The parent ends its prefill: make its n-1 siblings, sharing every block of the prompt."""
@@ -337,18 +382,24 @@ class LLMEngine:
         blocks they fill) move up with it; the blocks that held only rejected positions are given back."""
         appended = self.speculator.verify(logits, checking)
         for (seq, _), tokens in zip(checking, appended):
-            request = self.requests[seq.request_id]
-            touched[seq.request_id] = request
-            start = seq.num_cached_tokens  # the position of the last token, whose K/V this step computed
-            for i, (token, logprob, top) in enumerate(tokens):
-                self.block_manager.publish(seq, start + 1 + i)
-                seq.num_cached_tokens = start + 1 + i
-                self._append_token(request, seq, token, logprob, top)
-                self.num_generated_tokens += 1
-                if seq.is_finished:
-                    break
-            if not seq.is_finished:
-                self.block_manager.truncate(seq, seq.num_tokens)
+            self._append_computed(seq, tokens, touched)
+
+    def _append_computed(self, seq: Sequence, tokens: list, touched: dict[str, _Request]) -> None:
+        """Append `tokens` ((token, logprob, top logprobs) each) to seq, one at a time until one ends it. This step
+        computed the K/V of seq's last token and of every appended token but the last, so its cached tokens (and
+        the prefix-cache blocks they fill) move up with them; blocks past what it keeps are given back."""
+        request = self.requests[seq.request_id]
+        touched[seq.request_id] = request
+        start = seq.num_cached_tokens  # the position of the last token, whose K/V this step computed
+        for i, (token, logprob, top) in enumerate(tokens):
+            self.block_manager.publish(seq, start + 1 + i)
+            seq.num_cached_tokens = start + 1 + i
+            self._append_token(request, seq, token, logprob, top)
+            self.num_generated_tokens += 1
+            if seq.is_finished:
+                break
+        if not seq.is_finished:
+            self.block_manager.truncate(seq, seq.num_tokens)
 
     def _end_without_output(self, seq: Sequence) -> _Request:
         """Finish a max_tokens=0 sequence at the end of its prefill, with no token."""

@@ -127,6 +127,7 @@ class _Watch:
     # (tensor, its data pointer, its version or -1 where any version will do)
     tensors: list[tuple[torch.Tensor, int, int]] = dataclasses.field(default_factory=list)
     caches: list[int] = dataclasses.field(default_factory=list)  # the K/V pools' data pointers
+    hooked: list[nn.Module] = dataclasses.field(default_factory=list)  # left out for their hooks: rebuilt when none
     _flat: tuple = ()  # the lists above as `_layout` lays them out for `holds`, made at its first call
 
     def _layout(self) -> tuple:
@@ -144,6 +145,7 @@ class _Watch:
             [ptr for _, ptr, _ in self.tensors],
             [t for t, _ in versioned],
             [version for _, version in versioned],
+            self.hooked,
         )
 
     def holds(self, caches: list[torch.Tensor]) -> bool:
@@ -151,13 +153,14 @@ class _Watch:
             return False
         if not self._flat:  # the records are complete once the watch is checked: a table was built from them
             self._flat = self._layout()
-        owners, keys, held, modules, tensors, pointers, versioned, versions = self._flat
+        owners, keys, held, modules, tensors, pointers, versioned, versions, hooked = self._flat
         return (
             all(map(operator.is_, map(dict.get, owners, keys), held))
             and not any(map(_PRE_HOOKS, modules))
             and not any(map(_HOOKS, modules))
             and list(map(_DATA_PTR, tensors)) == pointers
             and list(map(_VERSION, versioned)) == versions
+            and all(map(_hooked, hooked))
         )
 
 
@@ -168,6 +171,10 @@ class _Table:
     fingerprint: list[int]  # what it was built from: module ids and tensor data pointers, in a fixed order
     keep: list[torch.Tensor]  # tensors derived for it (fp32 scales, bf16 copies), kept alive while it points at them
     watch: _Watch = dataclasses.field(default_factory=_Watch)  # the same, checked cheaply at every step
+    # the LM head as decode_step.c runs it and the (V, d) fp32 embedding, for chained greedy steps; None where either
+    # is of a kind it does not run (or hooked): then steps go one at a time, the head through the module path
+    head: _Linear | None = None
+    embedding: torch.Tensor | None = None
 
 
 def supports_model(model: nn.Module) -> bool:
@@ -220,24 +227,96 @@ class NativeDecode:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
         """The final norm's hidden states (N, d) of the step, as `model.hidden_states` computes them."""
-        model, cfg = self.model, self.model.config
         table = self._table
-        x = model.embed_tokens(input_ids).contiguous()  # (N, d): the residual stream, updated in place
-        cos, sin = model.rotary(positions)  # (N, D) each
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        cache = meta.kv_caches[0]
+        x = self.model.embed_tokens(input_ids).contiguous()  # (N, d): the residual stream, updated in place
+        cos, sin = self.model.rotary(positions)  # (N, D) each
+        slots = meta.slot_mapping.contiguous()
         if meta.max_query_len == 1:  # the module path's plan (groups read their shared blocks once): its very result
-            plan = plan_for(meta, cache.shape[2], native=True).native_decode
+            plan = plan_for(meta, meta.kv_caches[0].shape[2], native=True).native_decode
         else:  # a speculative check or a short prompt: each new token a query of its own
             plan = one_query_per_token(meta)
-        N, d, D = x.shape[0], cfg.hidden_size, cfg.head_dim
-        q_size, kv_size, inner = cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.intermediate_size
-        wide = max(d, q_size, inner)  # the widest input of a linear layer (a bf16 layer rounds it into scratch)
-        scratch = torch.empty(N * (2 * d + 3 * q_size + 4 * kv_size + 3 * inner + wide))  # decode_step.c carves it
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        step, scratch = self._step(x.shape[0], cos, sin, slots, plan, plan.context_lens, meta)
         out = torch.empty_like(x)
-        slots = meta.slot_mapping.contiguous()
+        kernels.library().decode_layers(
+            ctypes.addressof(table.layers),
+            len(table.layers),
+            ctypes.addressof(step),
+            x.data_ptr(),
+            out.data_ptr(),
+            self.model.norm.weight.data_ptr(),
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        self.steps += 1
+        return out
+
+    def can_run_steps(self) -> bool:
+        """Whether the table checked by the last `can_run` also takes the LM head and the embedding, so that
+        `run_greedy_steps` can chain steps (a head of a kind the step knows, a plain fp32 embedding, no hook)."""
+        return self._table is not None and self._table.head is not None
+
+    def run_greedy_steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta,
+        steps: int,
+        halt: list[int],  # noqa: ANN001
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to `steps` greedy decode steps of the step `meta` describes (one new token per sequence, M rows), in
+        one native call (decode_step.c's decode_greedy_steps): each step's argmax tokens feed the next. Stops after
+        the step where some row drew a token of `halt`. The block tables must already hold room for `steps` new
+        tokens per sequence. Returns tokens (n, M) int64 and the fp32 logits they came from (n, M, V), n the steps
+        run: bit for bit what n one-token steps through `run`, the LM head and the greedy pick give."""
+        table, model = self._table, self.model
+        M, bs = input_ids.numel(), meta.kv_caches[0].shape[2]
+        x = model.embed_tokens(input_ids).contiguous()  # (M, d): the first step's residual stream
+        ahead = positions[None, :] + torch.arange(steps)[:, None]  # (steps, M) each step's positions
+        # (steps, M) each new token's flat K/V slot: its block's id * block size + its place in the block
+        blocks = meta.block_tables.gather(1, (ahead // bs).T).T
+        slots = (blocks * bs + ahead % bs).contiguous()
+        cos, sin = model.rotary(ahead.reshape(-1))  # (steps * M, D)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        plan = plan_for(meta, bs, native=True).native_decode
+        context_lens = plan.context_lens.clone()  # (M,) moved up a step at a time by the call
+        step, scratch = self._step(M, cos, sin, slots, plan, context_lens, meta)
+        vocab = table.head.out_features
+        logits = torch.empty(steps, M, vocab)
+        tokens = torch.empty(steps, M, dtype=torch.long)
+        halt_ids = torch.tensor(sorted(set(halt)), dtype=torch.long)
+        hidden = torch.empty_like(x)  # (M, d) each step's final norm output
+        ran = kernels.library().decode_greedy_steps(
+            ctypes.addressof(table.layers),
+            len(table.layers),
+            ctypes.addressof(step),
+            context_lens.data_ptr(),
+            ctypes.addressof(table.head),
+            table.embedding.data_ptr(),
+            model.norm.weight.data_ptr(),
+            x.data_ptr(),
+            hidden.data_ptr(),
+            logits.data_ptr(),
+            tokens.data_ptr(),
+            halt_ids.data_ptr(),
+            halt_ids.numel(),
+            steps,
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        self.steps += ran
+        return tokens[:ran], logits[:ran]
+
+    def _step(self, rows: int, cos, sin, slots, plan: NativeDecodePlan, context_lens, meta) -> tuple:  # noqa: ANN001
+        """decode_step.c's DecodeStep for `rows` new tokens, and the scratch its layers carve (kept alive together
+        with the tensors the structure points at by the caller)."""
+        cfg, cache = self.model.config, meta.kv_caches[0]
+        d, D, inner = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_size, kv_size = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+        wide = max(d, q_size, inner)  # the widest input of a linear layer (a bf16 layer rounds it into scratch)
+        scratch = torch.empty(rows * (2 * d + 3 * q_size + 4 * kv_size + 3 * inner + wide))  # decode_step.c carves it
         step = _Step(
-            N,
+            rows,
             d,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -252,7 +331,7 @@ class NativeDecode:
             slots.data_ptr(),
             plan.tables.data_ptr(),
             plan.tables.shape[1],
-            plan.context_lens.data_ptr(),
+            context_lens.data_ptr(),
             plan.rows.data_ptr(),
             plan.group_starts.data_ptr(),
             plan.group_shared.data_ptr(),
@@ -260,18 +339,7 @@ class NativeDecode:
             plan.max_members,
             int(self.bf16 is not None),
         )
-        kernels.library().decode_layers(
-            ctypes.addressof(table.layers),
-            len(table.layers),
-            ctypes.addressof(step),
-            x.data_ptr(),
-            out.data_ptr(),
-            model.norm.weight.data_ptr(),
-            scratch.data_ptr(),
-            torch.get_num_threads(),
-        )
-        self.steps += 1
-        return out
+        return step, scratch
 
     def clear(self) -> None:
         self._table = None
@@ -340,6 +408,31 @@ class NativeDecode:
                 if norm is not None:
                     _watch_tensors(watch, norm._parameters, versioned=False)
             prints.append(cache.data_ptr())
+        prints.extend(self._fingerprint_ends(watch))
+        return prints
+
+    def _fingerprint_ends(self, watch: _Watch) -> list[int]:
+        """The fingerprint's part for the LM head and the embedding (`run_greedy_steps`), recorded into `watch` as
+        the layers are. A hooked one is left out of the watch (its hook runs on the module path; chained steps would
+        skip it) and marked in the fingerprint: the table is built without them."""
+        model_modules = self.model._modules
+        head, embedding = model_modules.get("lm_head"), model_modules.get("embed_tokens")
+        if head is None or embedding is None:
+            return [-1]
+        watch.places.extend((model_modules, name, model_modules[name]) for name in ("lm_head", "embed_tokens"))
+        if _hooked(head) or _hooked(embedding):  # until the hooks come off (the watch sees that)
+            watch.hooked.extend(m for m in (head, embedding) if _hooked(m))
+            watch.modules.extend(m for m in (head, embedding) if not _hooked(m))
+            return [-1]
+        watch.modules.extend((head, embedding))
+        prints = [id(head), id(embedding)]
+        for module in (head, embedding):
+            tensors = module._parameters if type(module) is not QuantizedLinear else module._buffers
+            prints.extend(t.data_ptr() if t is not None else 0 for t in tensors.values())
+            # as for the layers: bf16 copies and a quantized layer's derived scales go stale when these move
+            _watch_tensors(watch, tensors, versioned=self.bf16 is not None or type(module) is QuantizedLinear)
+        if self.bf16 is not None and type(head) is nn.Linear and _bf16_copyable(head.weight):
+            prints.append(self.bf16.copy_of(head.weight).data_ptr())  # the copy, remade here if the weight moved
         return prints
 
     def _build(self, meta, rows: int, fingerprint: list[int]) -> _Table | None:  # noqa: ANN001
@@ -368,7 +461,23 @@ class NativeDecode:
             return None
         linears = [getattr(entry, field) for entry in layers for field in ("q", "k", "v", "o", "gate", "up", "down")]
         all_bf16 = all(linear.group == BF16_WEIGHT for linear in linears)
-        return _Table(layers, BF16_MAX_ROWS if all_bf16 else MAX_ROWS, fingerprint, keep)
+        table = _Table(layers, BF16_MAX_ROWS if all_bf16 else MAX_ROWS, fingerprint, keep)
+        if fingerprint[-1] != -1:  # the head and the embedding are not hooked (_fingerprint_ends)
+            self._fill_ends(table, probe)
+        return table
+
+    def _fill_ends(self, table: _Table, probe: torch.Tensor) -> None:
+        """table.head and table.embedding where the LM head is a layer `_fill_linear` takes (the module path runs
+        the same kernel on it) and the embedding a plain fp32 lookup table."""
+        model = self.model
+        embedding = model.embed_tokens
+        weight = embedding.weight
+        plain = type(embedding) is nn.Embedding and embedding.max_norm is None and type(weight) in _PLAIN
+        if not (plain and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()):
+            return
+        head = _Linear()
+        if _fill_linear(head, model.lm_head, probe, table.keep, self.bf16) and head.in_features == weight.shape[1]:
+            table.head, table.embedding = head, weight
 
 
 def _fill_linear(
@@ -439,6 +548,10 @@ def _watch_tensors(watch: _Watch, tensors: dict[str, torch.Tensor | None], versi
         watch.places.append((tensors, name, t))
         if t is not None:
             watch.tensors.append((t, t.data_ptr(), t._version if versioned else -1))
+
+
+def _bf16_copyable(weight: torch.Tensor) -> bool:
+    return type(weight) in _PLAIN and weight.dtype == torch.float32 and weight.dim() == 2
 
 
 def _hooked(module: nn.Module) -> bool:

@@ -294,6 +294,23 @@ class ModelRunner:
                 logits = self.model.logits(hidden.index_select(0, inputs.sample_index))  # (R, V)
         return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
 
+    @torch.inference_mode()
+    def execute_greedy_steps(
+        self, batch: ScheduledBatch, steps: int, halt: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Up to `steps` chained greedy decode steps of a decode batch in one native call (greedy_steps.py), over
+        blocks already allocated for them. Returns tokens (n, S) and their fp32 logits (n, S, V), n the steps run
+        (it stops after a step that drew a token of `halt`); None, having run nothing, where the native decode step
+        cannot take the batch with its LM head."""
+        if self.native_decode is None:
+            return None
+        inputs = self.prepare(batch)
+        native = self.native_decode
+        if not (native.can_run(inputs.input_ids, inputs.meta) and native.can_run_steps()):
+            return None
+        self.copy_blocks(batch.blocks_to_copy)
+        return native.run_greedy_steps(inputs.input_ids, inputs.positions, inputs.meta, steps, halt)
+
     def _weights_scope(self) -> AbstractContextManager:
         """Around the forward: the linear layers through bf16 copies; or in fp32 on CPU, a few rows through the
         native matrix-vector kernel (small_rows_linear.py) and more through MKL-packed weights; or as they are."""

@@ -104,6 +104,20 @@ class Sequence:
         return self.prompt_logprobs.num_known if pending else self.num_tokens - 1
 
     @property
+    def draws_argmax(self) -> bool:
+        """Whether its next tokens are its logits' argmax: greedy, with no penalty and no min_tokens mask left (its
+        output is already that long, so every later token's is too). Speculative checks and chained greedy steps
+        pick such a sequence's tokens straight from the logits."""
+        params = self.params
+        return params.is_greedy and not params.has_penalties and self.num_output_tokens >= params.min_tokens
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate under max_tokens (a large number when it has none)."""
+        limit = self.params.max_tokens
+        return 1 << 30 if limit is None else limit - self.num_output_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -81,7 +81,7 @@ _DECODE_ATTENTION = [
     _f32,
     _int,
 ]
-SIGNATURES = {  # the argument types of each function the library exports; all return void
+SIGNATURES = {  # the argument types of each function the library exports
     "paged_decode_attention": _DECODE_ATTENTION,  # over an fp32 pool
     "paged_decode_attention_bf16": _DECODE_ATTENTION,  # over a bf16 pool
     "paged_write_kv": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
@@ -97,7 +97,26 @@ SIGNATURES = {  # the argument types of each function the library exports; all r
     "round_to_bf16": [_ptr, _ptr, _i64],
     "bf16_pack": [_ptr, _ptr, _i64, _i64, _int],
     "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
+    "decode_greedy_steps": [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _int,
+    ],
 }
+RESULTS = {"decode_greedy_steps": _i64}  # the functions that return something (the steps they ran)
 
 
 class KernelBuildError(RuntimeError):
@@ -129,7 +148,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype = argtypes, RESULTS.get(name)
     return lib
 
 

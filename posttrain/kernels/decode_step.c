@@ -33,6 +33,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "linear_outputs.h"
 
@@ -221,4 +223,54 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSt
         for (int64_t j = 0; j < M * d; j++) x[j] += delta[j];
     }
     rms_norm(x, final_norm, out, M, d, s->eps, row_threads(M * d, threads));
+}
+
+/* `steps` greedy decode steps of the same M sequences in one call (the engine's multi-step decoding,
+ * posttrain/engine/multi_step.py): each step is decode_layers, then the LM head, then each row's argmax, whose
+ * token's embedding row is the next step's input. Per step j (0-based):
+ *     hidden = decode_layers(x)                     with cos/sin rows j * M .., slots j * M .., context_lens + j
+ *     logits[j] (M, V) = hidden head^T               the head as `linear` runs any layer (fp32, q8_0, int8, bf16)
+ *     tokens[j, m] = argmax_v logits[j, m, v]        the first of equal maxima, as torch's max(dim=-1).indices
+ *     x[m] = embedding[tokens[j, m]]                 (V, d) fp32 rows, as nn.Embedding copies them
+ * and it stops after the step where any row's token is one of `halt` (an EOS or stop token of some row, which ends
+ * that row: the engine drops what would follow it). Each step computes what a plain one-step call followed by the
+ * module path's LM head and greedy pick would: the same functions on the same inputs, so the tokens and logits are
+ * bit for bit the single steps'.
+ *
+ * s: the first step's DecodeStep, its context_lens pointing at `context_lens` (S = M,), which this call moves up
+ * by one per step; cos, sin (steps, M, D); slots (steps, M); x (M, d) the first step's embeddings; hidden (M, d)
+ * scratch; logits (steps, M, V); tokens (steps, M). Returns the steps run (1 .. steps). */
+int64_t decode_greedy_steps(const DecodeLayer* layers, int64_t num_layers, DecodeStep* s, int64_t* context_lens,
+                            const DecodeLinear* head, const float* embedding, const float* final_norm, float* x,
+                            float* hidden, float* logits, int64_t* tokens, const int64_t* halt, int64_t num_halt,
+                            int64_t steps, float* scratch, int threads) {
+    const int64_t M = s->rows, d = s->hidden, D = s->head_dim, V = head->out_features;
+    const float *cos = s->cos, *sin = s->sin;
+    const int64_t* slots = s->slots;
+    uint16_t* x16 = malloc(sizeof(uint16_t) * (size_t)(M * (d + 1))); /* a bf16 head's rounded input */
+    int64_t j = 0;
+    int halted = 0;
+    while (j < steps && !halted) {
+        s->cos = cos + j * M * D;
+        s->sin = sin + j * M * D;
+        s->slots = slots + j * M;
+        s->context_lens = context_lens;
+        decode_layers(layers, num_layers, s, x, hidden, final_norm, scratch, threads);
+        float* row_logits = logits + j * M * V;
+        linear(head, hidden, row_logits, M, x16, threads);
+        for (int64_t m = 0; m < M; m++) {
+            const float* z = row_logits + m * V;
+            int64_t best = 0;
+            for (int64_t v = 1; v < V; v++)
+                if (z[v] > z[best]) best = v;
+            tokens[j * M + m] = best;
+            for (int64_t h = 0; h < num_halt; h++) halted |= best == halt[h];
+            memcpy(x + m * d, embedding + best * d, sizeof(float) * (size_t)d);
+            context_lens[m] += 1;
+        }
+        j++;
+    }
+    s->cos = cos, s->sin = sin, s->slots = slots;
+    free(x16);
+    return j;
 }

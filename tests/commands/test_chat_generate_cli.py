@@ -180,3 +180,25 @@ def test_bad_speculative_flags_are_one_line(model_dir, capsys, flags, expected):
     assert cli_main(["generate", "--model", str(model_dir), "--prompt", "hi", *flags]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1 and expected in lines[0]
+
+
+def test_generate_chains_greedy_steps_as_asked_and_prints_the_same_text(model_dir, monkeypatch, capsys):
+    """--decode-steps reaches EngineConfig (1: one step at a time); the greedy output is the same either way; a bad
+    value is one line."""
+    made: list[LLM] = []
+    original = LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    base = ["generate", "--model", str(model_dir), "--prompt", "abcabcabc", "--max-tokens", "12", "--json"]
+    assert cli_main([*base, "--decode-steps", "1"]) == 0
+    assert made[-1].engine.config.decode_steps == 1 and made[-1].stats()["steps"] == 12  # the prefill and 11 steps
+    expected = capsys.readouterr().out
+    assert cli_main([*base, "--decode-steps", "4"]) == 0
+    assert made[-1].engine.config.decode_steps == 4 and made[-1].stats()["steps"] == 1 + 3  # chains of 4, 4 and 3
+    assert capsys.readouterr().out == expected
+    assert cli_main([*base, "--decode-steps", "0"]) == 2
+    assert error_lines(capsys) == ["error: decode_steps=0: must be a positive integer"]

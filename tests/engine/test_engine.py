@@ -157,8 +157,8 @@ def test_streaming_outputs_through_step() -> None:
     engine = LLMEngine(
         tiny_model(),
         CharTokenizer(),
-        EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32),
-    )
+        EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, decode_steps=1),
+    )  # one token a step (chained greedy steps stream a chain at a time: tests/engine/test_greedy_steps.py)
     engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), stream=True)
     seen = []
     while engine.has_unfinished_requests():
@@ -239,8 +239,10 @@ def test_weights_updated_sees_in_place_changes_and_bumps_version() -> None:
 
 def test_weights_updated_mid_request_recomputes_running_sequences() -> None:
     model = tiny_model()
-    engine = LLMEngine(
-        model, None, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
+    engine = LLMEngine(  # one token a step, so the update lands after the third token
+        model,
+        None,
+        EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, decode_steps=1),
     )
     prompt = list(range(1, 10))
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -110,10 +110,10 @@ def test_speculative_checks_are_exactly_plain_decoding_at_batch_1() -> None:
     model = tiny_model(0)  # falls into a loop: the n-gram drafts are accepted often
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain_llm = make_llm(model)
+    plain_llm = make_llm(model, decode_steps=1)  # every position through runner.execute (no chained steps)
     plain_logits = logits_by_position(plain_llm)
     plain = plain_llm.generate([prompt], sp)[0].outputs[0].token_ids
-    spec = make_llm(model, speculative={"method": "ngram", "num_tokens": 4})
+    spec = make_llm(model, speculative={"method": "ngram", "num_tokens": 4}, decode_steps=1)
     spec_logits = logits_by_position(spec)
     got = spec.generate([prompt], sp)[0].outputs[0].token_ids
     assert spec.stats()["spec_accepted_tokens"] > 10

@@ -80,7 +80,7 @@ class SpeculativeDecoder:
             if budget <= 0:
                 continue
             # a step appends at most drafts + 1 tokens: never past max_model_len or max_tokens
-            cap = min(self.config.num_tokens, budget, self.max_model_len - seq.num_tokens - 1, _tokens_left(seq) - 1)
+            cap = min(self.config.num_tokens, budget, self.max_model_len - seq.num_tokens - 1, seq.tokens_left - 1)
             if cap >= 1:
                 chosen.append(i)
                 caps.append(cap)
@@ -145,7 +145,7 @@ class SpeculativeDecoder:
         if index != list(range(logits.shape[0])):
             logits = logits[torch.tensor(index, device=logits.device)]
         proposals = [self.pending.pop(seq.seq_id) for seq in seqs]
-        if all(_plain_greedy(seq) for seq in seqs):
+        if all(seq.draws_argmax for seq in seqs):
             scaled = logits.float()
             num_accepted, next_token = verify_greedy_drafts(scaled, [seq.draft_token_ids for seq in seqs])
         else:
@@ -259,19 +259,6 @@ class SpeculativeDecoder:
             ),
             **self.proposer.stats(),
         }
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """Whether the sequence's draws are its logits' argmax at every checked position: greedy, with no penalty and
-    no min_tokens mask left (its output is already that long, so the drafts after it are too)."""
-    params = seq.params
-    return params.is_greedy and not params.has_penalties and seq.num_output_tokens >= params.min_tokens
-
-
-def _tokens_left(seq: Sequence) -> int:
-    """Tokens seq may still generate under max_tokens (a large number when it has none)."""
-    limit = seq.params.max_tokens
-    return 1 << 30 if limit is None else limit - seq.num_output_tokens
 
 
 def build_speculative_decoder(

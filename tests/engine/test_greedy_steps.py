@@ -1,0 +1,202 @@
+"""Chained greedy decode steps (posttrain/engine/greedy_steps.py, decode_step.c's decode_greedy_steps): the very
+tokens, logprobs and texts of one step at a time, fewer engine steps, and only where they apply."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from posttrain import kernels
+from posttrain.engine import SamplingParams
+from posttrain.engine.config import EngineConfigError
+from posttrain.engine.greedy_steps import halting_tokens
+from posttrain.engine.sequence import Sequence
+from posttrain.models.transformer import Transformer
+from posttrain.quant.inference import quantize_for_inference
+from tests.engine.test_native_decode import variant
+from tests.engine.tiny import EOS, make_llm, tiny_model
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native CPU kernels are not built here")
+
+PROMPTS = ["123", "45678", "9:;<=>?@A"]
+
+
+def outputs(llm, prompts=PROMPTS, **params):  # noqa: ANN001, ANN201
+    """Every sample's tokens, logprobs, top logprobs, text and finish / stop reasons."""
+    sp = SamplingParams(**{"temperature": 0.0, "max_tokens": 20, "logprobs": 2, **params})
+    return [
+        (c.token_ids, c.logprobs, c.top_logprobs, c.text, c.finish_reason, c.stop_reason)
+        for out in llm.generate(prompts, sp)
+        for c in out.outputs
+    ]
+
+
+def one_at_a_time(model, **fields):  # noqa: ANN001, ANN201
+    return make_llm(model, decode_steps=1, **fields)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("decode_steps", [2, 5, 8])
+def test_chained_steps_are_bit_for_bit_one_step_at_a_time(kind: str, decode_steps: int) -> None:
+    """Three sequences decoding together (prompts of different lengths: their blocks fill at different steps), 20
+    tokens each: chains of k steps and a last shorter one; the same tokens and the very same logprobs."""
+    model = variant(kind)
+    chained = make_llm(model, decode_steps=decode_steps)
+    got = outputs(chained, ignore_eos=True)
+    plain = one_at_a_time(model)
+    assert got == outputs(plain, ignore_eos=True)
+    # 19 tokens after the prefill's first: ceil(19 / k) chains instead of 19 steps
+    assert chained.stats()["steps"] == plain.stats()["steps"] - 19 + -(-19 // decode_steps)
+    assert all(len(tokens) == 20 for tokens, *_ in got)
+
+
+@pytest.mark.parametrize("compute", ["q8_0", "int8", "bfloat16"])
+def test_chained_steps_through_each_kind_of_layer(compute: str) -> None:
+    """The LM head and the layers in q8_0 or int8 codes, or the engine's bf16 copies: each step's head is the
+    module path's kernel on the same input."""
+    torch.manual_seed(0)  # every layer's input a multiple of q8_0's groups of 32
+    model = Transformer(dataclasses.replace(tiny_model().config, hidden_size=64, num_attention_heads=8)).eval()
+    fields = {}
+    if compute == "bfloat16":
+        fields["compute_dtype"] = "bfloat16"
+    else:
+        quantize_for_inference(model, compute)
+    chained = make_llm(model, **fields)
+    got = outputs(chained, ignore_eos=True)
+    assert chained.stats()["steps"] < 10  # chains ran (one step at a time takes 19 after the prefill)
+    assert got == outputs(one_at_a_time(model, **fields), ignore_eos=True)
+
+
+def test_a_stop_token_inside_a_chain_ends_its_sequence_there() -> None:
+    """A token in one sequence's stop_token_ids halts the chain after the step that drew it: that sequence ends
+    with it, the others keep the tokens drawn with it and go on; the blocks all come back."""
+    model = tiny_model()
+    free = make_llm(model).generate(["45678"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    stop = free[0].outputs[0].token_ids[6]  # a token greedy decoding draws 7th: inside the first chain of 8
+    chained, plain = make_llm(model), one_at_a_time(model)
+    got = outputs(chained, ["45678", "123"], ignore_eos=True, stop_token_ids=[stop])
+    assert got == outputs(plain, ["45678", "123"], ignore_eos=True, stop_token_ids=[stop])
+    assert got[0][4:] == ("stop", stop) and len(got[0][0]) <= 7
+    manager = chained.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_eos_stop_strings_and_max_tokens_apply_token_by_token() -> None:
+    model = tiny_model()
+    chained, plain = make_llm(model), one_at_a_time(model)
+    for params in (
+        {"max_tokens": 13},  # not a multiple of the chain: the last chain is shorter
+        {"max_tokens": 1},  # the prefill's token only
+        {"max_tokens": 30},  # EOS where the model draws it
+        {"stop": ["5", "AB"], "max_tokens": 30},  # texts cut inside a chain; the tokens after the stop dropped
+        {"stop": ["5"], "include_stop_str_in_output": True},
+        {"min_tokens": 6, "max_tokens": 20},  # the EOS mask holds the first 6 tokens one step at a time
+    ):
+        assert outputs(chained, **params) == outputs(plain, **params), params
+    manager = chained.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_a_batch_with_a_sampled_or_penalised_sequence_goes_one_step_at_a_time() -> None:
+    model = tiny_model()
+    chained = make_llm(model)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for other in (
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
+    ):
+        before = chained.stats()["steps"]
+        got = chained.generate(["123", "456"], [greedy, other])
+        assert chained.stats()["steps"] - before == 12  # the prefill's step and 11 single decode steps
+        want = one_at_a_time(model).generate(["123", "456"], [greedy, other])
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_no_chain_while_a_request_waits_to_be_admitted() -> None:
+    """With room for one sequence, the second prompt waits: the first goes one step at a time until it ends, then
+    the second chains."""
+    model = tiny_model()
+    chained = make_llm(model, max_num_seqs=1)
+    got = outputs(chained, ["123", "456"], ignore_eos=True, max_tokens=10)
+    assert got == outputs(one_at_a_time(model, max_num_seqs=1), ["123", "456"], ignore_eos=True, max_tokens=10)
+    # the first: prefill + 9 steps while the second waits; the second: prefill + one chain of 8 + one of 1
+    assert chained.stats()["steps"] == 10 + 1 + 2
+
+
+def test_streaming_gets_a_chain_at_a_time_and_the_same_text() -> None:
+    model = tiny_model()
+    llm = make_llm(model)
+    engine = llm.engine
+    engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=17, ignore_eos=True), stream=True)
+    seen: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(len(out.outputs[0].token_ids))
+    assert seen == [1, 9, 17]  # the prefill's token, then chains of 8
+    final = outputs(one_at_a_time(model), ["123"], max_tokens=17, ignore_eos=True)
+    assert out.outputs[0].token_ids == final[0][0]
+
+
+def test_prefix_cache_blocks_filled_by_a_chain_serve_the_next_request() -> None:
+    """The K/V a chain computed is published like a plain step's: a later prompt that continues the first
+    request's text reuses those blocks and decodes the same tokens as a fresh engine."""
+    model = tiny_model()
+    llm = make_llm(model)
+    first = llm.generate(["123"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    follow = [1, 2, 3, *first.outputs[0].token_ids[:12]]
+    again = llm.generate([follow], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert again.num_cached_tokens >= 12
+    fresh = one_at_a_time(model, enable_prefix_caching=False)
+    assert (
+        again.outputs[0].token_ids
+        == fresh.generate([follow], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+
+
+def test_head_and_embedding_changes_are_seen_and_a_hooked_head_runs_its_hook() -> None:
+    model = tiny_model()
+    llm = make_llm(model, enable_prefix_caching=False)
+    before = outputs(llm, ignore_eos=True)
+    with torch.no_grad():
+        model.lm_head.weight[:, :8].mul_(-2.0)  # in place, as an optimizer step (tied: the embedding too)
+    changed = outputs(llm, ignore_eos=True)
+    assert changed != before and changed == outputs(one_at_a_time(model), ignore_eos=True)
+    calls: list[int] = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: calls.append(1))
+    steps = llm.stats()["steps"]
+    hooked = outputs(llm, ignore_eos=True)
+    assert hooked == changed and llm.stats()["steps"] - steps == 20  # one step per token: the hook runs each
+    assert len(calls) == 20
+    handle.remove()
+    outputs(llm, ignore_eos=True)
+    assert llm.stats()["steps"] - steps - 20 < 10  # chained again
+
+
+def test_speculative_decoding_with_chains_is_still_plain_greedy() -> None:
+    """Steps where the n-gram proposer drafts check the drafts; the others chain. The output is the plain one."""
+    model = tiny_model(0)  # falls into a loop: the n-gram drafts are accepted often
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = make_llm(model, speculative={"method": "ngram", "num_tokens": 4})
+    got = spec.generate([prompt], sp)[0].outputs[0].token_ids
+    assert got == one_at_a_time(model).generate([prompt], sp)[0].outputs[0].token_ids
+    assert spec.stats()["spec_draft_tokens"] > 0
+
+
+def test_halting_tokens_are_the_ones_that_can_end_a_sequence_of_the_batch() -> None:
+    def seq(**params) -> Sequence:  # noqa: ANN003
+        return Sequence("r", [1, 2], SamplingParams(**params), None)
+
+    assert halting_tokens([seq(ignore_eos=True)], {EOS}) == []
+    assert halting_tokens([seq(ignore_eos=True, stop_token_ids=[4, 2])], {EOS}) == [2, 4]
+    assert halting_tokens([seq(ignore_eos=True), seq(stop_token_ids=[5])], {EOS, 60}) == [5, 60, EOS]
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "8"])
+def test_bad_decode_steps_is_one_clear_error(value: object) -> None:
+    with pytest.raises(EngineConfigError, match=f"decode_steps={value!r}: must be a positive integer"):
+        make_llm(decode_steps=value)
