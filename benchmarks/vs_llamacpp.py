@@ -14,7 +14,7 @@ Two workloads, the same threads (--threads, 2 by default) on both sides, warm-up
   95-token prompt, T new tokens each; its decode tokens/s, S_TG); posttrain's engine on P GSM8K prompts
   (examples/data) x n samples x T tokens at temperature 1, EOS ignored (S = P x n).
 - batch 1: llama.cpp's S_TG at one sequence (the same run's -npl 1); posttrain one prompt x T tokens greedy, with
-  the engine's default chained greedy steps (`decode_steps` in the JSON) and again one step at a time
+  the engine's default chained decode steps (`decode_steps` in the JSON) and again one step at a time
   (`batch1_one_step`, `one_step_identical`: the same tokens).
 Both sides count decode only: S_TG leaves out the prompt's processing, and posttrain's figure is the tokens after
 each sequence's first over their time (a run with max_tokens=1, the prefill and the first token, is timed apart
@@ -200,7 +200,7 @@ def decode_rate(llm, prompts: list[list[int]], params) -> tuple[float, list]:  #
 
 
 def one_step_batch1(chained_llm, compute: str, prompt: list[int], greedy, plain: list[int]) -> dict:  # noqa: ANN001
-    """Batch 1 again one decode step at a time (EngineConfig.decode_steps=1: no chained greedy steps) over the same
+    """Batch 1 again one decode step at a time (EngineConfig.decode_steps=1: no chained decode steps) over the same
     module: what the chains bring, and whether the greedy output is the same (it must be)."""
     from posttrain.engine import LLM, SamplingParams
 

@@ -30,8 +30,8 @@ def add_decode_steps_argument(group: argparse._ActionsContainer) -> None:
         "--decode-steps",
         type=int,
         default=None,
-        help="greedy decode steps chained in one native call (default: 8; 1 = one step at a time); the same tokens, "
-        "streamed up to this many at a time",
+        help="decode steps chained in one native call for greedy or plain temperature sampling (default: 8; 1 = one "
+        "step at a time); the same tokens, streamed up to this many at a time",
     )
 
 

@@ -58,11 +58,11 @@ class EngineConfig:
     # fp32 weights: bf16 copies of the linear weights (half their fp32 bytes more) and a bf16 KV cache; norms,
     # softmax, logits and logprobs in fp32. float32: never bf16 over fp32 weights.
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Chained greedy decode steps (posttrain/engine/greedy_steps.py): a decode step whose sequences are all greedy
-    # runs up to this many steps in one native call when nothing waits to be admitted (the native decode step's
-    # conditions), each step's argmax feeding the next; the same tokens and logprobs, with the per-token Python paid
-    # once per chain (batch-1 q8_0 serving: ~1.2x tokens/s). Streaming then shows up to this many tokens at a time.
-    # 1: one step at a time.
+    # Chained decode steps (posttrain/engine/chained_steps.py): a decode step of a few sequences that all draw
+    # greedily, or all by plain temperature sampling, runs up to this many steps in one native call when nothing waits
+    # to be admitted (the native decode step's conditions), each step's tokens feeding the next; the same tokens and
+    # logprobs, with the per-token Python paid once per chain (batch-1 q8_0 decode on a 2-core Zen 5: ~1.35x tokens/s).
+    # Streaming then shows up to this many tokens at a time. 1: one step at a time.
     decode_steps: int = 8
     # Speculative decoding (posttrain/engine/speculative, docs/engine.md): None (off), or which proposer drafts
     # tokens for decoding sequences and how many per step. Also given as a mapping or a method name ("ngram").

@@ -17,9 +17,9 @@ import torch
 
 from posttrain.engine.bf16_weights import resolve_compute_dtype
 from posttrain.engine.block_manager import BlockManager
+from posttrain.engine.chained_steps import chain_draws, chain_length, halting_tokens
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
-from posttrain.engine.greedy_steps import chain_length, halting_tokens
 from posttrain.engine.outputs import CompletionOutput, RequestOutput
 from posttrain.engine.prompt_logprobs import PromptLogprobs
 from posttrain.engine.runner import ModelRunner
@@ -98,7 +98,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.asleep = False
         self.num_steps = 0
-        self.chained_steps = 1  # the decode steps the last engine step chained (greedy_steps.py)
+        self.chained_steps = 1  # the decode steps the last engine step chained (chained_steps.py)
         self.num_generated_tokens = 0
         self.num_processed_tokens = 0  # tokens through the model (prefill + decode), for throughput figures
         self._seed_rng = random.Random(0)
@@ -254,7 +254,7 @@ class LLMEngine:
         try:
             if self.speculator is not None:
                 self.speculator.add_drafts(batch)
-            # chained greedy steps (greedy_steps.py) where the batch allows them and nothing waits to be admitted
+            # chained decode steps (chained_steps.py) where the batch allows them and nothing waits to be admitted
             if not self.scheduler.waiting and not any(seq.draft_token_ids for seq in batch.seqs):
                 outputs = self._chained_steps(batch)
                 if outputs is not None:
@@ -321,36 +321,45 @@ class LLMEngine:
         return outputs
 
     def _chained_steps(self, batch: ScheduledBatch) -> list[RequestOutput] | None:
-        """Run the decode batch as up to `decode_steps` chained greedy steps in one native call and append each
-        sequence's tokens; None, having changed nothing but the blocks it made room in, where it does not qualify
-        (greedy_steps.py) or the native step cannot take it."""
+        """Run the decode batch as up to `decode_steps` chained steps in one native call and append each sequence's
+        tokens; None, having changed nothing but the blocks it made room in, where it does not qualify
+        (chained_steps.py) or the native step cannot take it."""
         steps = chain_length(batch, self.config.decode_steps, self.max_model_len)
-        bm = self.block_manager
         if steps == 1:
             return None
+        bm, seqs = self.block_manager, batch.seqs
         reserve = int(self.config.watermark * self.num_blocks)  # as the speculative decoder's drafts leave free
-        if sum(bm.num_new_blocks(seq, steps) for seq in batch.seqs) + reserve > bm.num_free_blocks:
+        if sum(bm.num_new_blocks(seq, steps) for seq in seqs) + reserve > bm.num_free_blocks:
             return None  # short of blocks: one step at a time, which the scheduler makes room for
-        for seq in batch.seqs:
+        for seq in seqs:
             bm.allocate(seq, steps)  # the first token's block is in place: the later ones' new blocks
-        ran = self.runner.execute_greedy_steps(batch, steps, halting_tokens(batch.seqs, self.eos_token_ids))
+        draws = chain_draws(seqs, steps)
+        halt = halting_tokens(seqs, self.eos_token_ids)
+        try:
+            ran = self.runner.execute_chained_steps(batch, steps, halt, draws.temperatures, draws.uniforms)
+        except BaseException:
+            draws.rewind(0)
+            raise
+        draws.rewind(0 if ran is None else ran[0].shape[0])
         if ran is None:
             return None
-        tokens, logits = ran  # (n, S), (n, S, V)
-        n, vocab = tokens.shape[0], logits.shape[-1]
+        tokens, logits, logprobs = ran  # (n, S), (n, S, V), (n, S)
+        n = tokens.shape[0]
         self.num_steps += 1
         self.chained_steps = n
-        self.num_processed_tokens += n * len(batch.seqs)
-        # the sampler's own greedy draw and logprobs over each sequence's n rows in turn: what n plain steps report
-        drawn = self.runner.sample(
-            logits.transpose(0, 1).reshape(-1, vocab), [[seq] for seq in batch.seqs for _ in range(n)], set()
-        )
+        self.num_processed_tokens += n * len(seqs)
+        top = None
+        if draws.greedy:  # the sampler's own logprobs over each sequence's n rows in turn: what n plain steps report
+            rows = [[seq] for seq in seqs for _ in range(n)]
+            drawn = self.runner.sample(logits.transpose(0, 1).reshape(n * len(seqs), -1), rows, set())
+            logprobs, top = drawn.logprobs.view(len(seqs), n).T, drawn.top_logprobs
+        # (the sampled rows' logprobs are sampler.c's, as the one-step sampler's native draw reports them)
         # the tokens the chain fed forward (the sampler's argmax over the same rows is the same first maximum)
-        token_ids, logprobs, top = tokens.T.reshape(-1).tolist(), drawn.logprobs.tolist(), drawn.top_logprobs
+        token_ids, logprob_values = tokens.T.tolist(), logprobs.T.tolist()  # (S, n) each
         touched: dict[str, _Request] = {}
-        for i, seq in enumerate(batch.seqs):
-            rows = range(i * n, (i + 1) * n)
-            self._append_computed(seq, [(token_ids[r], logprobs[r], top[r] if top else None) for r in rows], touched)
+        for i, seq in enumerate(seqs):
+            appended = [(token_ids[i][j], logprob_values[i][j], top[i * n + j] if top else None) for j in range(n)]
+            self._append_computed(seq, appended, touched)
         return self._outputs(touched)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

@@ -48,6 +48,7 @@ from torch.nn.modules import module as module_hooks
 
 from posttrain import kernels
 from posttrain.engine.bf16_weights import Bf16Weights
+from posttrain.engine.sampler import SUM_BLOCK
 from posttrain.engine.small_rows_linear import MAX_ROWS
 from posttrain.models.attention import Attention
 from posttrain.models.layers import SwiGLU
@@ -171,7 +172,7 @@ class _Table:
     fingerprint: list[int]  # what it was built from: module ids and tensor data pointers, in a fixed order
     keep: list[torch.Tensor]  # tensors derived for it (fp32 scales, bf16 copies), kept alive while it points at them
     watch: _Watch = dataclasses.field(default_factory=_Watch)  # the same, checked cheaply at every step
-    # the LM head as decode_step.c runs it and the (V, d) fp32 embedding, for chained greedy steps; None where either
+    # the LM head as decode_step.c runs it and the (V, d) fp32 embedding, for chained decode steps; None where either
     # is of a kind it does not run (or hooked): then steps go one at a time, the head through the module path
     head: _Linear | None = None
     embedding: torch.Tensor | None = None
@@ -251,24 +252,28 @@ class NativeDecode:
         self.steps += 1
         return out
 
-    def can_run_steps(self) -> bool:
+    def can_run_chain(self) -> bool:
         """Whether the table checked by the last `can_run` also takes the LM head and the embedding, so that
-        `run_greedy_steps` can chain steps (a head of a kind the step knows, a plain fp32 embedding, no hook)."""
+        `run_chained_steps` can chain steps (a head of a kind the step knows, a plain fp32 embedding, no hook)."""
         return self._table is not None and self._table.head is not None
 
-    def run_greedy_steps(
+    def run_chained_steps(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta,
+        meta,  # noqa: ANN001 (PagedAttentionMetadata)
         steps: int,
-        halt: list[int],  # noqa: ANN001
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to `steps` greedy decode steps of the step `meta` describes (one new token per sequence, M rows), in
-        one native call (decode_step.c's decode_greedy_steps): each step's argmax tokens feed the next. Stops after
-        the step where some row drew a token of `halt`. The block tables must already hold room for `steps` new
-        tokens per sequence. Returns tokens (n, M) int64 and the fp32 logits they came from (n, M, V), n the steps
-        run: bit for bit what n one-token steps through `run`, the LM head and the greedy pick give."""
+        halt: list[int],
+        temperatures: list[float],
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Up to `steps` decode steps of the step `meta` describes (one new token per sequence, M rows) in one native
+        call (decode_step.c's decode_chained_steps), each step's drawn tokens feeding the next: row m's argmax where
+        temperatures[m] is 0, else the sampler's draw from softmax(logits / temperatures[m]) with uniforms[j, m]
+        ((steps, M) fp64). Stops after the step where some row drew a token of `halt`. The block tables must already
+        hold room for `steps` new tokens per sequence. Returns tokens (n, M) int64, the fp32 logits they came from
+        (n, M, V) and the sampled rows' logprobs (n, M), n the steps run: bit for bit what n one-token steps through
+        `run`, the LM head and the sampler give."""
         table, model = self._table, self.model
         M, bs = input_ids.numel(), meta.kv_caches[0].shape[2]
         x = model.embed_tokens(input_ids).contiguous()  # (M, d): the first step's residual stream
@@ -281,12 +286,14 @@ class NativeDecode:
         plan = plan_for(meta, bs, native=True).native_decode
         context_lens = plan.context_lens.clone()  # (M,) moved up a step at a time by the call
         step, scratch = self._step(M, cos, sin, slots, plan, context_lens, meta)
-        vocab = table.head.out_features
-        logits = torch.empty(steps, M, vocab)
+        logits = torch.empty(steps, M, table.head.out_features)
         tokens = torch.empty(steps, M, dtype=torch.long)
+        logprobs = torch.zeros(steps, M)
         halt_ids = torch.tensor(sorted(set(halt)), dtype=torch.long)
         hidden = torch.empty_like(x)  # (M, d) each step's final norm output
-        ran = kernels.library().decode_greedy_steps(
+        temperature = torch.tensor(temperatures, dtype=torch.float32)
+        uniforms = uniforms.to(torch.float64).contiguous()
+        ran = kernels.library().decode_chained_steps(
             ctypes.addressof(table.layers),
             len(table.layers),
             ctypes.addressof(step),
@@ -298,6 +305,10 @@ class NativeDecode:
             hidden.data_ptr(),
             logits.data_ptr(),
             tokens.data_ptr(),
+            logprobs.data_ptr(),
+            temperature.data_ptr(),
+            uniforms.data_ptr(),
+            SUM_BLOCK,
             halt_ids.data_ptr(),
             halt_ids.numel(),
             steps,
@@ -305,7 +316,7 @@ class NativeDecode:
             torch.get_num_threads(),
         )
         self.steps += ran
-        return tokens[:ran], logits[:ran]
+        return tokens[:ran], logits[:ran], logprobs[:ran]
 
     def _step(self, rows: int, cos, sin, slots, plan: NativeDecodePlan, context_lens, meta) -> tuple:  # noqa: ANN001
         """decode_step.c's DecodeStep for `rows` new tokens, and the scratch its layers carve (kept alive together
@@ -412,7 +423,7 @@ class NativeDecode:
         return prints
 
     def _fingerprint_ends(self, watch: _Watch) -> list[int]:
-        """The fingerprint's part for the LM head and the embedding (`run_greedy_steps`), recorded into `watch` as
+        """The fingerprint's part for the LM head and the embedding (`run_chained_steps`), recorded into `watch` as
         the layers are. A hooked one is left out of the watch (its hook runs on the module path; chained steps would
         skip it) and marked in the fingerprint: the table is built without them."""
         model_modules = self.model._modules

@@ -295,21 +295,23 @@ class ModelRunner:
         return StepOutput(logits, self._prompt_logprobs(hidden, inputs.prompt, len(batch.seqs)))
 
     @torch.inference_mode()
-    def execute_greedy_steps(
-        self, batch: ScheduledBatch, steps: int, halt: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Up to `steps` chained greedy decode steps of a decode batch in one native call (greedy_steps.py), over
-        blocks already allocated for them. Returns tokens (n, S) and their fp32 logits (n, S, V), n the steps run
-        (it stops after a step that drew a token of `halt`); None, having run nothing, where the native decode step
-        cannot take the batch with its LM head."""
+    def execute_chained_steps(
+        self, batch: ScheduledBatch, steps: int, halt: list[int], temperatures: list[float], uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Up to `steps` chained decode steps of a decode batch in one native call (chained_steps.py), over blocks
+        already allocated for them (`NativeDecode.run_chained_steps`: temperatures (S,), 0 for argmax; uniforms
+        (steps, S) fp64). Returns tokens (n, S), their fp32 logits (n, S, V) and the sampled rows' logprobs (n, S),
+        n the steps run; None, having run nothing, where the native decode step cannot take the batch with its head."""
         if self.native_decode is None:
             return None
         inputs = self.prepare(batch)
         native = self.native_decode
-        if not (native.can_run(inputs.input_ids, inputs.meta) and native.can_run_steps()):
+        if not (native.can_run(inputs.input_ids, inputs.meta) and native.can_run_chain()):
             return None
         self.copy_blocks(batch.blocks_to_copy)
-        return native.run_greedy_steps(inputs.input_ids, inputs.positions, inputs.meta, steps, halt)
+        return native.run_chained_steps(
+            inputs.input_ids, inputs.positions, inputs.meta, steps, halt, temperatures, uniforms
+        )
 
     def _weights_scope(self) -> AbstractContextManager:
         """Around the forward: the linear layers through bf16 copies; or in fp32 on CPU, a few rows through the

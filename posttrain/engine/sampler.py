@@ -169,7 +169,7 @@ def apply_penalties(
 
 
 # Row sums over a long vocabulary go through fixed blocks of columns.
-_SUM_BLOCK = 1024
+SUM_BLOCK = 1024
 
 
 def _block_sums(weights: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ def _block_sums(weights: torch.Tensor) -> torch.Tensor:
     a long sum across threads), and a seeded row must not depend on its batch.
     weights (R, V) -> (R, ceil(V / block))."""
     rows, vocab_size = weights.shape
-    block = min(_SUM_BLOCK, vocab_size)
+    block = min(SUM_BLOCK, vocab_size)
     full_blocks = vocab_size // block
     sums = weights[:, : full_blocks * block].reshape(rows, full_blocks, block).sum(-1)  # (R, B)
     if vocab_size % block:
@@ -291,7 +291,7 @@ def sample_from_weights(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.
     some > 0), by inverting the CDF at `uniforms` in [0, 1). Zero-weight tokens are never drawn.
     weights (R, V) fp32, uniforms (R,) -> (R,) int64."""
     vocab_size = weights.shape[-1]
-    block = min(_SUM_BLOCK, vocab_size)
+    block = min(SUM_BLOCK, vocab_size)
     # The search runs in fp64 on small tensors: finer than fp32's 2^-24 steps in the uniforms.
     block_cdf = _block_sums(weights).double().cumsum(-1)  # (R, B)
     total = block_cdf[:, -1:]  # (R, 1)
@@ -355,7 +355,7 @@ def sample(
     if native_kernels and not greedy and not filtered and kernels.samples_on_cpu(scaled):
         # Steps 4 and 6 in one pass over each row in C (sampler.c): the same inversion of the CDF with the
         # same uniforms, without writing the (S, V) softmax.
-        token_ids, logprobs = kernels.sample_rows(scaled, _uniforms(rows, device), _SUM_BLOCK)
+        token_ids, logprobs = kernels.sample_rows(scaled, _uniforms(rows, device), SUM_BLOCK)
         return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=_top_logprobs(scaled, rows))
     probs = workspace.get("probs", tuple(scaled.shape), device)  # (S, V)
     torch.ops.aten._softmax.out(scaled, -1, False, out=probs)  # step 4, exponentiated

@@ -106,7 +106,7 @@ class Sequence:
     @property
     def draws_argmax(self) -> bool:
         """Whether its next tokens are its logits' argmax: greedy, with no penalty and no min_tokens mask left (its
-        output is already that long, so every later token's is too). Speculative checks and chained greedy steps
+        output is already that long, so every later token's is too). Speculative checks and chained decode steps
         pick such a sequence's tokens straight from the logits."""
         params = self.params
         return params.is_greedy and not params.has_penalties and self.num_output_tokens >= params.min_tokens

@@ -97,26 +97,11 @@ SIGNATURES = {  # the argument types of each function the library exports
     "round_to_bf16": [_ptr, _ptr, _i64],
     "bf16_pack": [_ptr, _ptr, _i64, _i64, _int],
     "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
-    "decode_greedy_steps": [
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _int,
-    ],
+    # layers, num_layers, step, context_lens, head, embedding, final_norm, x, hidden, logits, tokens, logprobs,
+    # temperatures, uniforms, sum_block, halt, num_halt, steps, scratch, threads
+    "decode_chained_steps": [*[_ptr, _i64], *[_ptr] * 12, _i64, _ptr, _i64, _i64, _ptr, _int],
 }
-RESULTS = {"decode_greedy_steps": _i64}  # the functions that return something (the steps they ran)
+RESULTS = {"decode_chained_steps": _i64}  # the functions that return something (the steps they ran)
 
 
 class KernelBuildError(RuntimeError):

@@ -225,29 +225,37 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSt
     rms_norm(x, final_norm, out, M, d, s->eps, row_threads(M * d, threads));
 }
 
-/* `steps` greedy decode steps of the same M sequences in one call (the engine's multi-step decoding,
- * posttrain/engine/multi_step.py): each step is decode_layers, then the LM head, then each row's argmax, whose
+void sample_rows(const float* z, int64_t rows, int64_t V, int64_t block, const double* uniforms, int64_t* tokens,
+                 float* logprobs, int threads);
+
+/* `steps` decode steps of the same M sequences in one call (the engine's chained decode steps,
+ * posttrain/engine/chained_steps.py): each step is decode_layers, then the LM head, then each row's draw, whose
  * token's embedding row is the next step's input. Per step j (0-based):
  *     hidden = decode_layers(x)                     with cos/sin rows j * M .., slots j * M .., context_lens + j
  *     logits[j] (M, V) = hidden head^T               the head as `linear` runs any layer (fp32, q8_0, int8, bf16)
- *     tokens[j, m] = argmax_v logits[j, m, v]        the first of equal maxima, as torch's max(dim=-1).indices
+ *     tokens[j, m] = argmax_v logits[j, m, v]        temperatures[m] == 0: the first of equal maxima, as torch's
+ *                                                    max(dim=-1).indices
+ *                  = draw(logits[j, m] / T, u[j, m]) else: sampler.c's draw (its logprob into logprobs[j, m])
  *     x[m] = embedding[tokens[j, m]]                 (V, d) fp32 rows, as nn.Embedding copies them
  * and it stops after the step where any row's token is one of `halt` (an EOS or stop token of some row, which ends
  * that row: the engine drops what would follow it). Each step computes what a plain one-step call followed by the
- * module path's LM head and greedy pick would: the same functions on the same inputs, so the tokens and logits are
- * bit for bit the single steps'.
+ * module path's LM head and the sampler's draw would: the same functions on the same inputs (the temperature an
+ * IEEE division, as torch's), so the tokens and logits are bit for bit the single steps'.
  *
  * s: the first step's DecodeStep, its context_lens pointing at `context_lens` (S = M,), which this call moves up
  * by one per step; cos, sin (steps, M, D); slots (steps, M); x (M, d) the first step's embeddings; hidden (M, d)
- * scratch; logits (steps, M, V); tokens (steps, M). Returns the steps run (1 .. steps). */
-int64_t decode_greedy_steps(const DecodeLayer* layers, int64_t num_layers, DecodeStep* s, int64_t* context_lens,
-                            const DecodeLinear* head, const float* embedding, const float* final_norm, float* x,
-                            float* hidden, float* logits, int64_t* tokens, const int64_t* halt, int64_t num_halt,
-                            int64_t steps, float* scratch, int threads) {
+ * scratch; logits (steps, M, V); tokens (steps, M); logprobs (steps, M); temperatures (M,); uniforms (steps, M)
+ * fp64 in [0, 1); sum_block: the sampler's block of summed weights. Returns the steps run (1 .. steps). */
+int64_t decode_chained_steps(const DecodeLayer* layers, int64_t num_layers, DecodeStep* s, int64_t* context_lens,
+                             const DecodeLinear* head, const float* embedding, const float* final_norm, float* x,
+                             float* hidden, float* logits, int64_t* tokens, float* logprobs, const float* temperatures,
+                             const double* uniforms, int64_t sum_block, const int64_t* halt, int64_t num_halt,
+                             int64_t steps, float* scratch, int threads) {
     const int64_t M = s->rows, d = s->hidden, D = s->head_dim, V = head->out_features;
     const float *cos = s->cos, *sin = s->sin;
     const int64_t* slots = s->slots;
     uint16_t* x16 = malloc(sizeof(uint16_t) * (size_t)(M * (d + 1))); /* a bf16 head's rounded input */
+    float* scaled = malloc(sizeof(float) * (size_t)V);                 /* a sampled row's logits / temperature */
     int64_t j = 0;
     int halted = 0;
     while (j < steps && !halted) {
@@ -260,17 +268,23 @@ int64_t decode_greedy_steps(const DecodeLayer* layers, int64_t num_layers, Decod
         linear(head, hidden, row_logits, M, x16, threads);
         for (int64_t m = 0; m < M; m++) {
             const float* z = row_logits + m * V;
-            int64_t best = 0;
-            for (int64_t v = 1; v < V; v++)
-                if (z[v] > z[best]) best = v;
-            tokens[j * M + m] = best;
-            for (int64_t h = 0; h < num_halt; h++) halted |= best == halt[h];
-            memcpy(x + m * d, embedding + best * d, sizeof(float) * (size_t)d);
+            int64_t token = 0;
+            if (temperatures[m] == 0.0f) {
+                for (int64_t v = 1; v < V; v++)
+                    if (z[v] > z[token]) token = v;
+            } else {
+                for (int64_t v = 0; v < V; v++) scaled[v] = z[v] / temperatures[m];
+                sample_rows(scaled, 1, V, sum_block, uniforms + j * M + m, &token, logprobs + j * M + m, 1);
+            }
+            tokens[j * M + m] = token;
+            for (int64_t h = 0; h < num_halt; h++) halted |= token == halt[h];
+            memcpy(x + m * d, embedding + token * d, sizeof(float) * (size_t)d);
             context_lens[m] += 1;
         }
         j++;
     }
     s->cos = cos, s->sin = sin, s->slots = slots;
     free(x16);
+    free(scaled);
     return j;
 }

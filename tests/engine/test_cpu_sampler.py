@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.usefixtures("kernel_march"),
 ]
 
-BLOCK = sampler._SUM_BLOCK
+BLOCK = sampler.SUM_BLOCK
 
 
 @pytest.mark.parametrize("vocab", [7, 1024, 2500, 49152])  # under one block, one, a short tail, SmolLM2's

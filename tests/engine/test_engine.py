@@ -158,7 +158,7 @@ def test_streaming_outputs_through_step() -> None:
         tiny_model(),
         CharTokenizer(),
         EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, decode_steps=1),
-    )  # one token a step (chained greedy steps stream a chain at a time: tests/engine/test_greedy_steps.py)
+    )  # one token a step (chained decode steps stream a chain at a time: tests/engine/test_chained_steps.py)
     engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), stream=True)
     seen = []
     while engine.has_unfinished_requests():

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from posttrain.engine.sampler import (
-    _SUM_BLOCK,
+    SUM_BLOCK,
     SampleOutput,
     SamplingRow,
     SamplingWorkspace,
@@ -48,7 +48,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | Non
     # (torch.testing.assert_close costs seconds of imports on its first call)
     assert actual.shape == expected.shape
     if atol is None:
-        atol = serial_sum_rtol(_SUM_BLOCK + 4) + serial_sum_rtol(4) * max(1.0, expected.abs().max().item())
+        atol = serial_sum_rtol(SUM_BLOCK + 4) + serial_sum_rtol(4) * max(1.0, expected.abs().max().item())
     assert (actual - expected).abs().max().item() <= atol, (actual, expected)
 
 

@@ -96,7 +96,7 @@ def tools_server(default_model_dir: Path) -> Iterator[tuple[str, Script, Tokeniz
 
     tokenizer = Tokenizer.from_dir(default_model_dir)
     tokenizer.chat_template = load_chat_template("chatml_tools")
-    # one step at a time: the script forces each token through runner.sample, which chained greedy steps draw past
+    # one step at a time: the script forces each token through runner.sample, which chained decode steps draw past
     config = EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, decode_steps=1)
     async_engine = build_served_models(tiny_model(tokenizer), tokenizer, MODEL, None, config)
     script = Script(tokenizer, async_engine.models[MODEL].engine)

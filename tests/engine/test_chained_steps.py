@@ -1,5 +1,5 @@
-"""Chained greedy decode steps (posttrain/engine/greedy_steps.py, decode_step.c's decode_greedy_steps): the very
-tokens, logprobs and texts of one step at a time, fewer engine steps, and only where they apply."""
+"""Chained decode steps (posttrain/engine/chained_steps.py, decode_step.c's decode_chained_steps): greedy or plainly
+sampled, the very tokens, logprobs and texts of one step at a time, fewer engine steps, and only where they apply."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from posttrain import kernels
 from posttrain.engine import SamplingParams
+from posttrain.engine.chained_steps import halting_tokens, uniforms_ahead
 from posttrain.engine.config import EngineConfigError
-from posttrain.engine.greedy_steps import halting_tokens
 from posttrain.engine.sequence import Sequence
 from posttrain.models.transformer import Transformer
 from posttrain.quant.inference import quantize_for_inference
@@ -99,13 +99,38 @@ def test_eos_stop_strings_and_max_tokens_apply_token_by_token() -> None:
     assert manager.num_free_blocks == manager.num_blocks
 
 
-def test_a_batch_with_a_sampled_or_penalised_sequence_goes_one_step_at_a_time() -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_chains_draw_what_one_step_at_a_time_draws(temperature: float, seeded: bool) -> None:
+    """Plain temperature sampling, n = 2 per prompt (six sequences), one of the first sample's tokens a stop token (so
+    it ends inside the first chain): the same tokens and logprobs, seeded (each sample's own generator) or from torch's
+    default generator, whose later draws are also the same (a chain that stopped early gave back the uniforms it did
+    not use)."""
+    model = variant("qwen3")
+    params = {"temperature": temperature, "n": 2, "max_tokens": 30, "logprobs": True, "ignore_eos": True}
+    if seeded:
+        params["seed"] = 5
+    torch.manual_seed(11)
+    stop = outputs(make_llm(model), **params)[0][0][4]
+    got, want = [], []
+    for llm, out in ((make_llm(model), got), (one_at_a_time(model), want)):
+        torch.manual_seed(11)
+        out.extend(outputs(llm, **params, stop_token_ids=[stop]))
+        out.append(torch.rand(3).tolist())  # the default generator where the run left it
+        out.append(llm.stats()["steps"])
+    assert got[:-1] == want[:-1]
+    assert got[0][4:] == ("stop", stop) and len(got[0][0]) <= 5
+    assert got[-1] < want[-1] / 3  # chains ran
+
+
+def test_a_batch_with_mixed_or_filtered_or_penalised_draws_goes_one_step_at_a_time() -> None:
     model = tiny_model()
     chained = make_llm(model)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for other in (
-        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),  # greedy and sampled together
         SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
     ):
         before = chained.stats()["steps"]
         got = chained.generate(["123", "456"], [greedy, other])
@@ -185,6 +210,42 @@ def test_speculative_decoding_with_chains_is_still_plain_greedy() -> None:
     got = spec.generate([prompt], sp)[0].outputs[0].token_ids
     assert got == one_at_a_time(model).generate([prompt], sp)[0].outputs[0].token_ids
     assert spec.stats()["spec_draft_tokens"] > 0
+
+
+def one_step_uniforms(steps: int, then: int) -> tuple[list, list]:
+    """sampler.py's `_uniforms` for [unseeded, seeded (seed 3), unseeded] over `steps` steps from torch seed 0, and
+    then `then` more draws of the default generator and of the seeded one."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(3)
+    drawn = []
+    for _ in range(steps):
+        pair = torch.rand(2, dtype=torch.float64).tolist()  # the unseeded rows' draw, in batch order
+        drawn.append([pair[0], torch.rand(1, dtype=torch.float64, generator=generator).item(), pair[1]])
+    after = [
+        torch.rand(then, dtype=torch.float64).tolist(),
+        torch.rand(then, dtype=torch.float64, generator=generator).tolist(),
+    ]
+    return drawn, after
+
+
+def test_uniforms_drawn_ahead_are_the_one_step_draws_and_rewind_to_what_was_used() -> None:
+    def batch() -> list[Sequence]:
+        seeded = Sequence("r", [1, 2], SamplingParams(seed=3), torch.Generator().manual_seed(3))
+        return [Sequence("r", [1, 2], SamplingParams(), None), seeded, Sequence("r", [1, 2], SamplingParams(), None)]
+
+    for ran in (5, 2, 0):  # the chain ran all its 5 steps, 2 of them, none (the native step could not take it)
+        seqs = batch()
+        torch.manual_seed(0)
+        uniforms, rewind = uniforms_ahead(seqs, 5)
+        rewind(ran)
+        after = [
+            torch.rand(3, dtype=torch.float64).tolist(),
+            torch.rand(3, dtype=torch.float64, generator=seqs[1].generator).tolist(),
+        ]
+        drawn, expected_after = one_step_uniforms(ran, 3)
+        assert uniforms[:ran].tolist() == drawn
+        assert after == expected_after
+    assert uniforms.tolist() == one_step_uniforms(5, 0)[0]
 
 
 def test_halting_tokens_are_the_ones_that_can_end_a_sequence_of_the_batch() -> None:
