@@ -7,7 +7,8 @@ Zen 5, and the Python around them ~2 ms more: scheduling, the step's inputs, the
 sampler and the bookkeeping of the appended token. Chained, that Python runs once per k tokens. vLLM's multi-step
 scheduling does the same on GPUs.
 
-When: every sequence of the step decodes one token (no prompt chunk, no drafts, no fork pending), no request waits
+When: the step has at most MAX_ROWS sequences (8: batch-1 and small-batch decode; in a wider step the per-step Python
+is a sliver of its time), every one decodes one token (no prompt chunk, no drafts, no fork pending), no request waits
 to be admitted (it would wait k tokens longer), the native decode step takes the batch with its LM head
 (`NativeDecode.can_run_chain`), and the sequences' draws are all of one of the two kinds the chain makes:
 - greedy: the logits' argmax (no penalty, min_tokens reached: `Sequence.draws_argmax`), any logprobs settings;
@@ -32,6 +33,7 @@ import torch
 
 from posttrain.engine.scheduler import ScheduledBatch
 from posttrain.engine.sequence import Sequence
+from posttrain.engine.small_rows_linear import MAX_ROWS
 
 
 def draws_plain_sample(seq: Sequence) -> bool:
@@ -50,7 +52,7 @@ def draws_plain_sample(seq: Sequence) -> bool:
 def chain_length(batch: ScheduledBatch, most: int, max_model_len: int) -> int:
     """How many steps the batch may chain: 1 where it may not (module docstring), else at most `most`, no sequence
     past its max_tokens or max_model_len (the blocks are checked by the caller)."""
-    if most <= 1:
+    if most <= 1 or len(batch.seqs) > MAX_ROWS:  # wider steps: the per-step Python is a sliver of their time
         return 1
     greedy = [seq.draws_argmax for seq in batch.seqs]
     if not (all(greedy) or (not any(greedy) and all(draws_plain_sample(seq) for seq in batch.seqs))):

@@ -255,7 +255,9 @@ int64_t decode_chained_steps(const DecodeLayer* layers, int64_t num_layers, Deco
     const float *cos = s->cos, *sin = s->sin;
     const int64_t* slots = s->slots;
     uint16_t* x16 = malloc(sizeof(uint16_t) * (size_t)(M * (d + 1))); /* a bf16 head's rounded input */
-    float* scaled = malloc(sizeof(float) * (size_t)V);                 /* a sampled row's logits / temperature */
+    float* scaled = malloc(sizeof(float) * (size_t)(M * V));           /* the sampled rows' logits / temperature */
+    int sampled = 0;
+    for (int64_t m = 0; m < M; m++) sampled |= temperatures[m] != 0.0f;
     int64_t j = 0;
     int halted = 0;
     while (j < steps && !halted) {
@@ -266,15 +268,18 @@ int64_t decode_chained_steps(const DecodeLayer* layers, int64_t num_layers, Deco
         decode_layers(layers, num_layers, s, x, hidden, final_norm, scratch, threads);
         float* row_logits = logits + j * M * V;
         linear(head, hidden, row_logits, M, x16, threads);
+        if (sampled) { /* every row samples (the engine chains greedy or sampled rows, never both) */
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t v = 0; v < V; v++) scaled[m * V + v] = row_logits[m * V + v] / temperatures[m];
+            sample_rows(scaled, M, V, sum_block, uniforms + j * M, tokens + j * M, logprobs + j * M, threads);
+        }
         for (int64_t m = 0; m < M; m++) {
             const float* z = row_logits + m * V;
-            int64_t token = 0;
+            int64_t token = tokens[j * M + m];
             if (temperatures[m] == 0.0f) {
+                token = 0;
                 for (int64_t v = 1; v < V; v++)
                     if (z[v] > z[token]) token = v;
-            } else {
-                for (int64_t v = 0; v < V; v++) scaled[v] = z[v] / temperatures[m];
-                sample_rows(scaled, 1, V, sum_block, uniforms + j * M + m, &token, logprobs + j * M + m, 1);
             }
             tokens[j * M + m] = token;
             for (int64_t h = 0; h < num_halt; h++) halted |= token == halt[h];

@@ -13,6 +13,7 @@ from posttrain.engine import SamplingParams
 from posttrain.engine.chained_steps import halting_tokens, uniforms_ahead
 from posttrain.engine.config import EngineConfigError
 from posttrain.engine.sequence import Sequence
+from posttrain.engine.small_rows_linear import MAX_ROWS
 from posttrain.models.transformer import Transformer
 from posttrain.quant.inference import quantize_for_inference
 from tests.engine.test_native_decode import variant
@@ -261,3 +262,15 @@ def test_halting_tokens_are_the_ones_that_can_end_a_sequence_of_the_batch() -> N
 def test_bad_decode_steps_is_one_clear_error(value: object) -> None:
     with pytest.raises(EngineConfigError, match=f"decode_steps={value!r}: must be a positive integer"):
         make_llm(decode_steps=value)
+
+
+def test_steps_of_more_than_max_rows_sequences_go_one_at_a_time() -> None:
+    """A wide step (a rollout's) is mostly the model's work: it is not chained, even in bf16 where the native step
+    takes it."""
+    model = tiny_model()
+    llm = make_llm(model, compute_dtype="bfloat16")
+    sp = SamplingParams(temperature=0, n=MAX_ROWS + 1, max_tokens=6, ignore_eos=True)
+    llm.generate(["123"], sp)
+    assert llm.stats()["steps"] == 6  # the prefill's step and 5 single decode steps of 9 rows
+    llm.generate(["123"], SamplingParams(temperature=0, n=MAX_ROWS, max_tokens=6, ignore_eos=True))
+    assert llm.stats()["steps"] == 6 + 2  # the prefill's step and one chain of 5 steps of 8 rows
