@@ -274,3 +274,19 @@ def test_steps_of_more_than_max_rows_sequences_go_one_at_a_time() -> None:
     assert llm.stats()["steps"] == 6  # the prefill's step and 5 single decode steps of 9 rows
     llm.generate(["123"], SamplingParams(temperature=0, n=MAX_ROWS, max_tokens=6, ignore_eos=True))
     assert llm.stats()["steps"] == 6 + 2  # the prefill's step and one chain of 5 steps of 8 rows
+
+
+def test_an_update_between_chains_is_the_version_of_the_next_chain_tokens() -> None:
+    """Async RL's weight updates land between engine steps: a chain's tokens all carry the version it ran under."""
+    model = tiny_model()
+    llm = make_llm(model, decode_steps=4)
+    engine = llm.engine
+    engine.add_request("r", [1, 2, 3], SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True))
+    engine.step(), engine.step()  # the prefill's token, then a chain of 4
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.9)
+    engine.weights_updated(keep_running_kv=True)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_policy_versions == [0] * 5 + [1] * 4

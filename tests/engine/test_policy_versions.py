@@ -13,9 +13,9 @@ from tests.engine.tiny import tiny_model
 
 
 def _engine(model) -> LLMEngine:
-    return LLMEngine(
-        model, None, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
-    )
+    # one token a step: these tests put updates between particular tokens (chained steps: test_chained_steps.py)
+    config = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, decode_steps=1)
+    return LLMEngine(model, None, config)
 
 
 def test_each_token_records_the_version_that_drew_it() -> None:
