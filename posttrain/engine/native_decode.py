@@ -25,6 +25,10 @@ few tokens) runs each token as a one-token query over its sequence's blocks (`on
 path runs masked SDPA: equal to rounding, and at batch 1 each position's logits are bit for bit a plain decode
 step's, so a speculative engine's greedy output is exactly the plain one's.
 
+Chained steps (posttrain/engine/chained_steps.py): where the table also takes the LM head and the embedding (a head
+of a kind `_fill_linear` takes, a plain fp32 embedding, neither hooked), `run_chained_steps` runs several decode steps
+in one call, each step's drawn tokens (argmax, or sampler.c's draw) embedded as the next one's input.
+
 The layer table (ctypes structures of weight and K/V pool pointers) is built once and checked at every step against
 the model's current modules and tensors, so a LoRA wrapper, a new weight tensor or a reallocated pool rebuilds it; an
 optimizer's in-place step changes nothing the table holds (the kernels read the weights where they are), except in
