@@ -124,9 +124,9 @@ def test_chat_refuses_a_system_argument_that_is_not_utf8(model_dir, capsys):
     assert error_lines(capsys) == ["error: --system: invalid UTF-8 (byte 0xff) at character 4"]
 
 
-def test_generate_takes_the_engines_compute_dtype(model_dir, monkeypatch, capsys):
-    """--compute-dtype reaches EngineConfig; --dtype float32 alone means fp32 compute; a value the weights cannot
-    give is one line."""
+@pytest.fixture
+def made(monkeypatch) -> list[LLM]:
+    """Every LLM the commands make, in order."""
     made: list[LLM] = []
     original = LLM.__init__
 
@@ -135,6 +135,12 @@ def test_generate_takes_the_engines_compute_dtype(model_dir, monkeypatch, capsys
         made.append(self)
 
     monkeypatch.setattr(LLM, "__init__", recording_init)
+    return made
+
+
+def test_generate_takes_the_engines_compute_dtype(model_dir, made, monkeypatch, capsys):
+    """--compute-dtype reaches EngineConfig; --dtype float32 alone means fp32 compute; a value the weights cannot
+    give is one line."""
     argv = ["generate", "--model", str(model_dir), "--max-tokens", "2", "--temperature", "0", "--prompt", "hi"]
     assert cli_main([*argv, "--compute-dtype", "bfloat16"]) == 0
     assert made[-1].compute_dtype == torch.bfloat16
@@ -182,17 +188,9 @@ def test_bad_speculative_flags_are_one_line(model_dir, capsys, flags, expected):
     assert len(lines) == 1 and expected in lines[0]
 
 
-def test_generate_chains_greedy_steps_as_asked_and_prints_the_same_text(model_dir, monkeypatch, capsys):
+def test_generate_chains_decode_steps_as_asked_and_prints_the_same_text(model_dir, made, capsys):
     """--decode-steps reaches EngineConfig (1: one step at a time); the greedy output is the same either way; a bad
     value is one line."""
-    made: list[LLM] = []
-    original = LLM.__init__
-
-    def recording_init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(LLM, "__init__", recording_init)
     base = ["generate", "--model", str(model_dir), "--prompt", "abcabcabc", "--max-tokens", "12", "--json"]
     assert cli_main([*base, "--decode-steps", "1"]) == 0
     assert made[-1].engine.config.decode_steps == 1 and made[-1].stats()["steps"] == 12  # the prefill and 11 steps
