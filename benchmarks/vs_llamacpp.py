@@ -199,13 +199,19 @@ def decode_rate(llm, prompts: list[list[int]], params) -> tuple[float, list]:  #
     return (all_tokens - first_tokens) / (all_s - first_s), outputs
 
 
+def batch1_engine(llm, compute: str, prompt: list[int], **fields):  # noqa: ANN001, ANN003, ANN201
+    """Another batch-1 engine over `llm`'s (already quantized) module with EngineConfig `fields`, warmed up."""
+    from posttrain.engine import LLM, SamplingParams
+
+    engine_llm = LLM(llm.engine.model, llm.tokenizer, compute_dtype=compute, max_num_seqs=1, **fields)
+    engine_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    return engine_llm
+
+
 def one_step_batch1(chained_llm, compute: str, prompt: list[int], greedy, plain: list[int]) -> dict:  # noqa: ANN001
     """Batch 1 again one decode step at a time (EngineConfig.decode_steps=1: no chained decode steps) over the same
     module: what the chains bring, and whether the greedy output is the same (it must be)."""
-    from posttrain.engine import LLM, SamplingParams
-
-    llm = LLM(chained_llm.engine.model, chained_llm.tokenizer, compute_dtype=compute, max_num_seqs=1, decode_steps=1)
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm = batch1_engine(chained_llm, compute, prompt, decode_steps=1)
     rate, outputs = decode_rate(llm, [prompt], greedy)
     return {"batch1_one_step": rate, "one_step_identical": list(outputs[0].outputs[0].token_ids) == list(plain)}
 
@@ -213,11 +219,7 @@ def one_step_batch1(chained_llm, compute: str, prompt: list[int], greedy, plain:
 def speculative_batch1(plain_llm, compute: str, prompt: list[int], greedy, num_tokens: int, plain: list[int]) -> dict:  # noqa: ANN001
     """Batch 1 again with prompt-lookup (n-gram) drafts of `num_tokens` over the same (already quantized) module:
     tokens/s, the acceptance rate, and whether the greedy output is the plain one (it must be)."""
-    from posttrain.engine import LLM, SamplingParams
-
-    spec = {"method": "ngram", "num_tokens": num_tokens}
-    llm = LLM(plain_llm.engine.model, plain_llm.tokenizer, compute_dtype=compute, max_num_seqs=1, speculative=spec)
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm = batch1_engine(plain_llm, compute, prompt, speculative={"method": "ngram", "num_tokens": num_tokens})
     before = llm.engine.stats()
     rate, outputs = decode_rate(llm, [prompt], greedy)
     tokens = outputs[0].outputs[0].token_ids

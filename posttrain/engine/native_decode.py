@@ -293,7 +293,7 @@ class NativeDecode:
         logits = torch.empty(steps, M, table.head.out_features)
         tokens = torch.empty(steps, M, dtype=torch.long)
         logprobs = torch.zeros(steps, M)
-        halt_ids = torch.tensor(sorted(set(halt)), dtype=torch.long)
+        halt_ids = torch.tensor(halt, dtype=torch.long)
         hidden = torch.empty_like(x)  # (M, d) each step's final norm output
         temperature = torch.tensor(temperatures, dtype=torch.float32)
         uniforms = uniforms.to(torch.float64).contiguous()

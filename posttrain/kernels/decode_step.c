@@ -233,9 +233,9 @@ void sample_rows(const float* z, int64_t rows, int64_t V, int64_t block, const d
  * token's embedding row is the next step's input. Per step j (0-based):
  *     hidden = decode_layers(x)                     with cos/sin rows j * M .., slots j * M .., context_lens + j
  *     logits[j] (M, V) = hidden head^T               the head as `linear` runs any layer (fp32, q8_0, int8, bf16)
- *     tokens[j, m] = argmax_v logits[j, m, v]        temperatures[m] == 0: the first of equal maxima, as torch's
+ *     tokens[j, m] = argmax_v logits[j, m, v]        every temperature 0: the first of equal maxima, as torch's
  *                                                    max(dim=-1).indices
- *                  = draw(logits[j, m] / T, u[j, m]) else: sampler.c's draw (its logprob into logprobs[j, m])
+ *                  = draw(logits[j, m] / T, u[j, m]) none 0: sampler.c's draw (its logprob into logprobs[j, m])
  *     x[m] = embedding[tokens[j, m]]                 (V, d) fp32 rows, as nn.Embedding copies them
  * and it stops after the step where any row's token is one of `halt` (an EOS or stop token of some row, which ends
  * that row: the engine drops what would follow it). Each step computes what a plain one-step call followed by the
@@ -244,8 +244,9 @@ void sample_rows(const float* z, int64_t rows, int64_t V, int64_t block, const d
  *
  * s: the first step's DecodeStep, its context_lens pointing at `context_lens` (S = M,), which this call moves up
  * by one per step; cos, sin (steps, M, D); slots (steps, M); x (M, d) the first step's embeddings; hidden (M, d)
- * scratch; logits (steps, M, V); tokens (steps, M); logprobs (steps, M); temperatures (M,); uniforms (steps, M)
- * fp64 in [0, 1); sum_block: the sampler's block of summed weights. Returns the steps run (1 .. steps). */
+ * scratch; logits (steps, M, V); tokens (steps, M); logprobs (steps, M); temperatures (M,), all 0 or none (the
+ * engine never chains greedy and sampled rows together); uniforms (steps, M) fp64 in [0, 1); sum_block: the
+ * sampler's block of summed weights. Returns the steps run (1 .. steps). */
 int64_t decode_chained_steps(const DecodeLayer* layers, int64_t num_layers, DecodeStep* s, int64_t* context_lens,
                              const DecodeLinear* head, const float* embedding, const float* final_norm, float* x,
                              float* hidden, float* logits, int64_t* tokens, float* logprobs, const float* temperatures,
@@ -268,20 +269,21 @@ int64_t decode_chained_steps(const DecodeLayer* layers, int64_t num_layers, Deco
         decode_layers(layers, num_layers, s, x, hidden, final_norm, scratch, threads);
         float* row_logits = logits + j * M * V;
         linear(head, hidden, row_logits, M, x16, threads);
+        int64_t* drawn = tokens + j * M;
         if (sampled) { /* every row samples (the engine chains greedy or sampled rows, never both) */
             for (int64_t m = 0; m < M; m++)
                 for (int64_t v = 0; v < V; v++) scaled[m * V + v] = row_logits[m * V + v] / temperatures[m];
-            sample_rows(scaled, M, V, sum_block, uniforms + j * M, tokens + j * M, logprobs + j * M, threads);
+            sample_rows(scaled, M, V, sum_block, uniforms + j * M, drawn, logprobs + j * M, threads);
+        } else { /* every row's argmax */
+            for (int64_t m = 0; m < M; m++) {
+                const float* z = row_logits + m * V;
+                drawn[m] = 0;
+                for (int64_t v = 1; v < V; v++)
+                    if (z[v] > z[drawn[m]]) drawn[m] = v;
+            }
         }
         for (int64_t m = 0; m < M; m++) {
-            const float* z = row_logits + m * V;
-            int64_t token = tokens[j * M + m];
-            if (temperatures[m] == 0.0f) {
-                token = 0;
-                for (int64_t v = 1; v < V; v++)
-                    if (z[v] > z[token]) token = v;
-            }
-            tokens[j * M + m] = token;
+            const int64_t token = drawn[m];
             for (int64_t h = 0; h < num_halt; h++) halted |= token == halt[h];
             memcpy(x + m * d, embedding + token * d, sizeof(float) * (size_t)d);
             context_lens[m] += 1;
