@@ -31,24 +31,199 @@
 #include <string.h>
 
 #include "vec_math.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
-/* fp32 pool: paged_decode_attention. */
+/* out[t] = q . k_t for the n keys at k + t * stride: LANES keys at a time (independent FMA chains), their
+ * dot products summed across lanes together. */
+static void scores_of_row8(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        const float* kt = k + t * stride;
+        vec a[LANES] = {{0}};
+        for (int64_t d = 0; d < D; d += LANES) {
+            vec qd = load(q + d);
+            for (int i = 0; i < LANES; i++) a[i] += qd * load(kt + i * stride + d);
+        }
+        store(out + t, lane_sums(a));
+    }
+    for (; t < n; t++) {
+        vec a = {0};
+        for (int64_t d = 0; d < D; d += LANES) a += load(q + d) * load(k + t * stride + d);
+        out[t] = lane_sum(a);
+    }
+}
+
+/* acc (D,) += sum_t p[t] * v_t over the n values at v + t * stride; 64 dims at a time stay in registers. */
+static void accumulate_row8(float* acc, const float* p, const float* v, int64_t n, int64_t stride, int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 8 * LANES <= D; d0 += 8 * LANES) {
+        vec a[8];
+        for (int i = 0; i < 8; i++) a[i] = load(acc + d0 + i * LANES);
+        for (int64_t t = 0; t < n; t++) {
+            const float* vt = v + t * stride + d0;
+            vec pt = splat(p[t]);
+            for (int i = 0; i < 8; i++) a[i] += pt * load(vt + i * LANES);
+        }
+        for (int i = 0; i < 8; i++) store(acc + d0 + i * LANES, a[i]);
+    }
+    for (; d0 < D; d0 += LANES) {
+        vec a = load(acc + d0);
+        for (int64_t t = 0; t < n; t++) a += splat(p[t]) * load(v + t * stride + d0);
+        store(acc + d0, a);
+    }
+}
+
+#ifdef WIDE_VEC
+/* The two above 16 lanes wide, for D a multiple of 16 on AVX-512: half the instructions per element. */
+static void scores_of_row16(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
+    int64_t t = 0;
+    for (; t + LANES16 <= n; t += LANES16) {
+        const float* kt = k + t * stride;
+        vec16 a[LANES16] = {{0}};
+        for (int64_t d = 0; d < D; d += LANES16) {
+            vec16 qd = load16(q + d);
+            for (int i = 0; i < LANES16; i++) a[i] += qd * load16(kt + i * stride + d);
+        }
+        store16(out + t, lane_sums16(a));
+    }
+    for (; t < n; t++) {
+        vec16 a = {0};
+        for (int64_t d = 0; d < D; d += LANES16) a += load16(q + d) * load16(k + t * stride + d);
+        out[t] = lane_sum16(a);
+    }
+}
+
+static void accumulate_row16(float* acc, const float* p, const float* v, int64_t n, int64_t stride, int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 4 * LANES16 <= D; d0 += 4 * LANES16) {
+        vec16 a[4];
+        for (int i = 0; i < 4; i++) a[i] = load16(acc + d0 + i * LANES16);
+        for (int64_t t = 0; t < n; t++) {
+            const float* vt = v + t * stride + d0;
+            vec16 pt = splat16(p[t]);
+            for (int i = 0; i < 4; i++) a[i] += pt * load16(vt + i * LANES16);
+        }
+        for (int i = 0; i < 4; i++) store16(acc + d0 + i * LANES16, a[i]);
+    }
+    for (; d0 < D; d0 += LANES16) {
+        vec16 a = load16(acc + d0);
+        for (int64_t t = 0; t < n; t++) a += splat16(p[t]) * load16(v + t * stride + d0);
+        store16(acc + d0, a);
+    }
+}
+#endif
+
+/* One row's scores / accumulation over a block of fp32 K / V: 16 lanes wide where the build and D allow. */
+static inline void scores_of_row(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
+#ifdef WIDE_VEC
+    if (D % LANES16 == 0) {
+        scores_of_row16(q, k, n, stride, D, out);
+        return;
+    }
+#endif
+    scores_of_row8(q, k, n, stride, D, out);
+}
+
+static inline void accumulate_row(float* acc, const float* p, const float* v, int64_t n, int64_t stride, int64_t D) {
+#ifdef WIDE_VEC
+    if (D % LANES16 == 0) {
+        accumulate_row16(acc, p, v, n, stride, D);
+        return;
+    }
+#endif
+    accumulate_row8(acc, p, v, n, stride, D);
+}
+
+#ifdef WIDE_VEC
+/* clamped_exp on 16 lanes, the same steps (vec_math.h). */
+static inline __m512 clamped_exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const vec16 v = x;
+    const vec16 n = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vec16 f = v - n * 0.693359375f + n * 2.12194440e-4f;
+    vec16 poly = splat16(1.9875691500e-4f);
+    poly = poly * f + 1.3981999507e-3f;
+    poly = poly * f + 8.3334519073e-3f;
+    poly = poly * f + 4.1665795894e-2f;
+    poly = poly * f + 1.6666665459e-1f;
+    poly = poly * f + 5.0000001201e-1f;
+    const vec16 y = poly * f * f + f + 1.0f;
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return y * (vec16)_mm512_castsi512_ps(bits);
+}
+#endif
+
+/* One block of a row's online softmax: its scores p[0..n) become exp(p - m), m the row's running max *mx taken
+ * over them too; *mx and the running sum *sm are updated, and the factor the row's accumulator must be rescaled by
+ * (exp(old max - m)) is returned. On AVX-512, 16 scores a vector with the tail masked off: the horizontal max and
+ * sum of the scalar loops (`omp simd` reductions that GCC finishes with 16 dependent scalar adds) were half the
+ * attention's time once the dot products ran 16 lanes wide. */
+static inline float softmax_block(float* p, int64_t n, float* mx, float* sm) {
+#ifdef WIDE_VEC
+    __m512 top = _mm512_set1_ps(*mx);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, live, p + t));
+    }
+    const float m = _mm512_reduce_max_ps(top);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 e = clamped_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + t), mv));
+        _mm512_mask_storeu_ps(p + t, live, e);
+        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(live, e));
+    }
+    const float sum = _mm512_reduce_add_ps(sums);
+#else
+    float m = *mx;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < n; t++) m = p[t] > m ? p[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        p[t] = clamped_exp(p[t] - m);
+        sum += p[t];
+    }
+#endif
+    const float rescale = clamped_exp(*mx - m);
+    *sm = *sm * rescale + sum;
+    *mx = m;
+    return rescale;
+}
+
+/* dst[i] = src[i] widened to fp32 (exact: a bf16 is the top half of an fp32); count a multiple of LANES. */
+static const float* widen_bf16(float* dst, const uint16_t* src, int64_t count) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= count; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i)));
+        _mm512_storeu_si512((void*)(dst + i), _mm512_slli_epi32(wide, 16));
+    }
+#endif
+    for (; i < count; i += LANES) store(dst + i, load_bf16(src + i));
+    return dst;
+}
+
+/* fp32 pool: paged_decode_attention, straight from the pool. */
 #define KV_T float
-#define KV_LOAD load
+#define KV_BLOCK(scratch, src, count) (src)
 #define KV_FN(name) name
 #include "paged_decode_kv.h"
 #undef KV_T
-#undef KV_LOAD
+#undef KV_BLOCK
 #undef KV_FN
 
-/* bf16 pool (the engine's compute_dtype=bfloat16): paged_decode_attention_bf16; each K/V element widens to fp32
- * exactly (a bf16 is the top half of an fp32), so this computes what the fp32 kernel does on the widened pool. */
+/* bf16 pool (the engine's compute_dtype=bfloat16): paged_decode_attention_bf16; each block widened to fp32 once
+ * (exactly), so this computes what the fp32 kernel does on the widened pool. */
 #define KV_T uint16_t
-#define KV_LOAD load_bf16
+#define KV_BLOCK(scratch, src, count) widen_bf16(scratch, src, count)
 #define KV_FN(name) name##_bf16
 #include "paged_decode_kv.h"
 #undef KV_T
-#undef KV_LOAD
+#undef KV_BLOCK
 #undef KV_FN
 
 /* cache[0][slot] = k[i], cache[1][slot] = v[i] for slot = slots[i] >= 0; k, v (n, row) with row = Hkv * D

@@ -1,47 +1,9 @@
 /* The decode attention of paged_decode.c over a pool of K/V elements of type KV_T, included once per pool dtype.
- * The includer defines KV_T (the pool's element type), KV_LOAD(p) (LANES elements at p as a vec of floats) and
- * KV_FN(name) (the name of this instance's function `name`). Queries, scores, softmax and outputs are fp32
- * whatever KV_T is: only the K/V reads convert. */
-
-/* out[t] = q . k_t for the n keys at k + t * stride: LANES keys at a time (independent FMA chains), their
- * dot products summed across lanes together. */
-static void KV_FN(scores_of_row)(const float* q, const KV_T* k, int64_t n, int64_t stride, int64_t D, float* out) {
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) {
-        const KV_T* kt = k + t * stride;
-        vec a[LANES] = {{0}};
-        for (int64_t d = 0; d < D; d += LANES) {
-            vec qd = load(q + d);
-            for (int i = 0; i < LANES; i++) a[i] += qd * KV_LOAD(kt + i * stride + d);
-        }
-        store(out + t, lane_sums(a));
-    }
-    for (; t < n; t++) {
-        vec a = {0};
-        for (int64_t d = 0; d < D; d += LANES) a += load(q + d) * KV_LOAD(k + t * stride + d);
-        out[t] = lane_sum(a);
-    }
-}
-
-/* acc (D,) += sum_t p[t] * v_t over the n values at v + t * stride; 64 dims at a time stay in registers. */
-static void KV_FN(accumulate_row)(float* acc, const float* p, const KV_T* v, int64_t n, int64_t stride, int64_t D) {
-    int64_t d0 = 0;
-    for (; d0 + 8 * LANES <= D; d0 += 8 * LANES) {
-        vec a[8];
-        for (int i = 0; i < 8; i++) a[i] = load(acc + d0 + i * LANES);
-        for (int64_t t = 0; t < n; t++) {
-            const KV_T* vt = v + t * stride + d0;
-            vec pt = splat(p[t]);
-            for (int i = 0; i < 8; i++) a[i] += pt * KV_LOAD(vt + i * LANES);
-        }
-        for (int i = 0; i < 8; i++) store(acc + d0 + i * LANES, a[i]);
-    }
-    for (; d0 < D; d0 += LANES) {
-        vec a = load(acc + d0);
-        for (int64_t t = 0; t < n; t++) a += splat(p[t]) * KV_LOAD(v + t * stride + d0);
-        store(acc + d0, a);
-    }
-}
+ * The includer defines KV_T (the pool's element type), KV_FN(name) (the name of this instance's function `name`)
+ * and KV_BLOCK(scratch, src, count): the `count` pool elements at src as fp32, either src itself (an fp32 pool) or
+ * widened into `scratch` (room for a block of every KV head's K or V) and returned. Queries, scores, softmax and
+ * outputs are fp32 whatever KV_T is: a block is widened once, before all the rows that read it (the n samples of a
+ * prompt times the query heads of each KV head: up to 72 rows of SmolLM2 read each shared block). */
 
 typedef struct {
     const KV_T* keys;   /* cache[0] */
@@ -52,7 +14,7 @@ typedef struct {
 /* Rows r = 0..R-1 (query head r % H, pre-scaled q at qs + r * D) attend the tokens [first, last) of the
  * block table `table`, continuing their running max mx, sum sm and accumulator acc (R, D). */
 static void KV_FN(attend)(const KV_FN(Pool)* pool, const int64_t* table, int64_t first, int64_t last, const float* qs, int64_t R,
-                   float* acc, float* mx, float* sm, float* p) {
+                   float* acc, float* mx, float* sm, float* p, float* k_scratch, float* v_scratch) {
     const int64_t bs = pool->bs, stride = pool->stride, D = pool->D;
     for (int64_t pos = first; pos < last;) {
         const int64_t offset = pos % bs;
@@ -68,6 +30,8 @@ static void KV_FN(attend)(const KV_FN(Pool)* pool, const int64_t* table, int64_t
             next_v = (const char*)(pool->values + table[(pos + n) / bs] * bs * stride);
         }
         const int64_t lines = bs * stride * (int64_t)sizeof(KV_T) / 64; /* per block, of K and of V */
+        const float* keys = KV_BLOCK(k_scratch, pool->keys + start, n * stride);   /* (n, Hkv, D) */
+        const float* values = KV_BLOCK(v_scratch, pool->values + start, n * stride); /* (n, Hkv, D) */
         for (int64_t r = 0; r < R; r++) {
             if (next_k != NULL)
                 for (int64_t line = r * lines / R; line < (r + 1) * lines / R; line++) {
@@ -75,23 +39,12 @@ static void KV_FN(attend)(const KV_FN(Pool)* pool, const int64_t* table, int64_t
                     __builtin_prefetch(next_v + line * 64);
                 }
             const int64_t head = (r % pool->H) / pool->heads_per_kv;
-            KV_FN(scores_of_row)(qs + r * D, pool->keys + start + head * D, n, stride, D, p);
-            float m = mx[r];
-#pragma omp simd reduction(max : m)
-            for (int64_t t = 0; t < n; t++) m = p[t] > m ? p[t] : m;
-            const float rescale = clamped_exp(mx[r] - m);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
-                p[t] = clamped_exp(p[t] - m);
-                sum += p[t];
-            }
-            sm[r] = sm[r] * rescale + sum;
-            mx[r] = m;
+            scores_of_row(qs + r * D, keys + head * D, n, stride, D, p);
+            const float rescale = softmax_block(p, n, mx + r, sm + r);
             float* acc_r = acc + r * D;
             if (rescale != 1.0f)
                 for (int64_t d = 0; d < D; d++) acc_r[d] *= rescale;
-            KV_FN(accumulate_row)(acc_r, p, pool->values + start + head * D, n, stride, D);
+            accumulate_row(acc_r, p, values + head * D, n, stride, D);
         }
         pos += n;
     }
@@ -112,6 +65,8 @@ void KV_FN(paged_decode_attention)(const float* q, const KV_T* cache, float* out
         float* mx = malloc(sizeof(float) * max_rows);
         float* sm = malloc(sizeof(float) * max_rows);
         float* p = malloc(sizeof(float) * bs); /* one row's scores, then weights, over one block */
+        float* k_scratch = malloc(sizeof(float) * bs * num_kv_heads * D); /* a block's K / V widened (KV_BLOCK) */
+        float* v_scratch = malloc(sizeof(float) * bs * num_kv_heads * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < num_groups; g++) {
             const int64_t first = group_starts[g], members = group_starts[g + 1] - first;
@@ -125,10 +80,10 @@ void KV_FN(paged_decode_attention)(const float* q, const KV_T* cache, float* out
                 sm[r] = 0.0f;
             }
             const int64_t shared = group_shared[g] * bs; /* tokens */
-            if (shared > 0) KV_FN(attend)(&pool, tables + first * width, 0, shared, qs, members * H, acc, mx, sm, p);
+            if (shared > 0) KV_FN(attend)(&pool, tables + first * width, 0, shared, qs, members * H, acc, mx, sm, p, k_scratch, v_scratch);
             for (int64_t m = 0; m < members; m++) {
                 const int64_t s = first + m, r0 = m * H;
-                KV_FN(attend)(&pool, tables + s * width, shared, ctx[s], qs + r0 * D, H, acc + r0 * D, mx + r0, sm + r0, p);
+                KV_FN(attend)(&pool, tables + s * width, shared, ctx[s], qs + r0 * D, H, acc + r0 * D, mx + r0, sm + r0, p, k_scratch, v_scratch);
                 float* dst = out + rows[s] * H * D;
                 for (int64_t h = 0; h < H; h++) {
                     const float inv = 1.0f / sm[r0 + h];
@@ -141,5 +96,7 @@ void KV_FN(paged_decode_attention)(const float* q, const KV_T* cache, float* out
         free(mx);
         free(sm);
         free(p);
+        free(k_scratch);
+        free(v_scratch);
     }
 }

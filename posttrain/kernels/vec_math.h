@@ -56,6 +56,50 @@ static inline vec lane_sums(const vec a[LANES]) {
            __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
+/* 16 floats: one AVX-512 register. Only code built for AVX-512 uses it (WIDE_VEC below): on AVX2 GCC would split
+ * each operation in two and spell the shuffles out lane by lane. */
+#ifdef __AVX512F__
+#define WIDE_VEC 1
+#endif
+typedef float vec16 __attribute__((vector_size(64)));
+#define LANES16 16
+
+static inline vec16 load16(const float* p) {
+    vec16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store16(float* p, vec16 v) { memcpy(p, &v, sizeof(v)); }
+
+static inline vec16 splat16(float x) {
+    vec16 v = {0};
+    return v + x;
+}
+
+static inline float lane_sum16(vec16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES16; i++) s += v[i];
+    return s;
+}
+
+/* lane_sums for sixteen vec16s: lane i of the result is the sum of a[i]'s lanes; each round halves the partial
+ * sums per vector by adding two shuffles of a pair (15 adds and 30 shuffles for the sixteen sums). */
+static inline vec16 lane_sums16(const vec16 a[LANES16]) {
+    vec16 t[8], u[4], v[2];
+    for (int i = 0; i < 8; i++) /* t[i]: 8 partials of a[2i], then 8 of a[2i+1] */
+        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* u[i]: 4 partials each of a[4i] .. a[4i+3] */
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* v[i]: 2 partials each of a[8i] .. a[8i+7] */
+        v[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* exp(x) to about 2 ulp, for x in [-87, 88] (clamped there: exp(-87) = 1.6e-38 is nothing against the
  * sums it joins, and exp(88) = 1.7e38 still fits a float). exp(x) = 2^n * exp(f) with n = round(x / ln 2),
  * |f| <= ln(2) / 2, exp(f) from its degree-7 Taylor-like minimax polynomial (Cephes' coefficients). No
