@@ -195,7 +195,7 @@ static inline float softmax_block(float* p, int64_t n, float* mx, float* sm) {
 }
 
 /* dst[i] = src[i] widened to fp32 (exact: a bf16 is the top half of an fp32); count a multiple of LANES. */
-static const float* widen_bf16(float* dst, const uint16_t* src, int64_t count) {
+static const float* widen_block_bf16(float* dst, const uint16_t* src, int64_t count) {
     int64_t i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= count; i += 16) {
@@ -219,7 +219,7 @@ static const float* widen_bf16(float* dst, const uint16_t* src, int64_t count) {
 /* bf16 pool (the engine's compute_dtype=bfloat16): paged_decode_attention_bf16; each block widened to fp32 once
  * (exactly), so this computes what the fp32 kernel does on the widened pool. */
 #define KV_T uint16_t
-#define KV_BLOCK(scratch, src, count) widen_bf16(scratch, src, count)
+#define KV_BLOCK(scratch, src, count) widen_block_bf16(scratch, src, count)
 #define KV_FN(name) name##_bf16
 #include "paged_decode_kv.h"
 #undef KV_T
