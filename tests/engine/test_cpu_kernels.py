@@ -67,7 +67,9 @@ def _with_cache(meta: PagedAttentionMetadata, cache: torch.Tensor) -> PagedAtten
 @needs_kernels
 @pytest.mark.parametrize(
     "bs, hkv, heads_per_kv, D",
-    [(16, 3, 3, 64), (16, 2, 1, 128), (8, 1, 4, 72), (4, 2, 3, 8)],  # SmolLM2's shapes; MHA; MQA + a 64+8 head
+    # SmolLM2's shapes; MHA; 32-token blocks (two 16-score vectors a block on AVX-512); MQA + a 64+8 head (the
+    # 8-lane path); an 8-dim head
+    [(16, 3, 3, 64), (16, 2, 1, 128), (32, 2, 2, 32), (8, 1, 4, 72), (4, 2, 3, 8)],
 )
 def test_decode_kernel_matches_reference(bs: int, hkv: int, heads_per_kv: int, D: int, kernel_march: str) -> None:
     rng = random.Random(bs + D)
