@@ -48,12 +48,16 @@
 #define GROUP 32
 /* Weight rows that share each load of an activation group, for inputs of several rows; the codes of the block this
  * many blocks ahead are prefetched (as in int8_linear.c: four short rows side by side are a pattern the hardware
- * prefetcher follows poorly). A single input row (batch-1 decode) reads the codes row after row instead, one
- * sequential stream per thread, which the hardware prefetcher does follow: on a 2-core Zen 5 the blocks streamed
- * at ~16 GB/s, rows at ~39 GB/s (batch-1 q8_0 decode of SmolLM2: the decoder's step 8.5 -> 6.5 ms). With more
- * input rows the arithmetic is the limit, and the blocks' shared activation loads win (1.4-1.6x at 5-256 rows). */
+ * prefetcher follows poorly). An input of at most STREAM_ROWS rows (batch-1 decode, a speculative check of one or two
+ * drafts, two or three chats) reads the codes row after row instead, one sequential stream per thread, which the
+ * hardware prefetcher does follow, every input against each row as it passes: on a 2-core Zen 5 the blocks streamed
+ * at ~16 GB/s, rows at ~39 GB/s (batch-1 q8_0 decode of SmolLM2: the decoder's step 8.5 -> 6.5 ms; SmolLM2's 211
+ * weights at 2 / 3 input rows 9.3 -> 7.7 / 9.6 -> 8.7 ms, medians of three A/B pairs). With more input rows the
+ * arithmetic is the limit, and the blocks' shared activation loads win (1.4-1.6x at 5-256 rows; at 4 rows the stream
+ * was already slower). */
 #define ROW_BLOCK 4
 #define PREFETCH_BLOCKS 8
+#define STREAM_ROWS 3
 /* Inputs of more rows than this round their activations on all threads; a decode step's few on one, where the
  * fork would cost more than the rounding. */
 #define SERIAL_QUANTIZE_ROWS 16
@@ -145,6 +149,7 @@ static inline void tile(const int8_t* a, const float* d, const int8_t* codes, co
 
 #ifdef Q8_VNNI
 #define INPUT_BLOCK 2 /* inputs that share each load of a weight line (prefill and batched decode) */
+#define TILE_INPUTS 3 /* the most inputs a tile takes: INPUT_BLOCK, or STREAM_ROWS in one pass over a streamed row */
 
 /* What a pair of groups of one input row brings to every weight row's vpdpbusd, made once per call (the tiles
  * would otherwise rebuild it for each weight row): the accumulator's start, -128 * the group's code sum in lane 0
@@ -165,22 +170,23 @@ static void prepare_pairs(const float* d, const int32_t* sums, PairInput* out, i
         }
 }
 
-/* `tile` with AVX512-VNNI for `inputs` (1 or INPUT_BLOCK) input rows from m: two groups a vpdpbusd (top comment);
- * an odd last group through group_dot. */
-static inline void tile_vnni(const int8_t* a, const float* d, const PairInput* prep, const int8_t* codes,
+/* `tile` with AVX512-VNNI for `inputs` (1 .. TILE_INPUTS) input rows from m: two groups a vpdpbusd (top comment);
+ * an odd last group through group_dot. Always inlined: each call site's constant inputs and rows keep the
+ * accumulators in registers. */
+static inline __attribute__((always_inline)) void tile_vnni(const int8_t* a, const float* d, const PairInput* prep, const int8_t* codes,
                              const float* scales, float* y, int64_t N, int64_t K, int64_t m, int64_t n0,
                              const int inputs, const int rows) {
     const int64_t G = K / GROUP, pairs = G / 2;
     const __m512i flip = _mm512_set1_epi8((char)0x80); /* code ^ 0x80 = code + 128 as an unsigned byte */
-    __m512 acc[INPUT_BLOCK][ROW_BLOCK];
-    for (int i = 0; i < INPUT_BLOCK; i++)
+    __m512 acc[TILE_INPUTS][ROW_BLOCK];
+    for (int i = 0; i < TILE_INPUTS; i++)
         for (int r = 0; r < ROW_BLOCK; r++) acc[i][r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t g = 2 * p;
         for (int r = 0; rows > 1 && r < ROW_BLOCK; r++) /* a cache line (two groups) of each row PREFETCH_BLOCKS ahead */
             __builtin_prefetch(codes + (n0 + PREFETCH_BLOCKS * ROW_BLOCK + r) * K + g * GROUP);
-        __m512i av[INPUT_BLOCK]; /* each input's two groups of codes, for every weight row of the tile */
-        const PairInput* in[INPUT_BLOCK];
+        __m512i av[TILE_INPUTS]; /* each input's two groups of codes, for every weight row of the tile */
+        const PairInput* in[TILE_INPUTS];
         for (int i = 0; i < inputs; i++) {
             av[i] = _mm512_loadu_si512((const void*)(a + (m + i) * K + g * GROUP));
             in[i] = prep + (m + i) * pairs + p;
@@ -207,10 +213,19 @@ static inline void tile_vnni(const int8_t* a, const float* d, const PairInput* p
         }
 }
 
-/* y[:, n0 .. n0 + rows) for all M inputs, INPUT_BLOCK at a time. */
+/* y[:, n0 .. n0 + rows) for all M inputs: a streamed row (rows 1) against all of at most STREAM_ROWS inputs in one
+ * pass, else INPUT_BLOCK inputs at a time. */
 static inline void rows_vnni(const int8_t* a, const float* d, const PairInput* prep, const int8_t* codes,
                              const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                              const int rows) {
+    if (rows == 1 && M == 2) { /* (constant input counts: the tile's loops unroll) */
+        tile_vnni(a, d, prep, codes, scales, y, N, K, 0, n0, 2, 1);
+        return;
+    }
+    if (rows == 1 && M == 3) {
+        tile_vnni(a, d, prep, codes, scales, y, N, K, 0, n0, 3, 1);
+        return;
+    }
     int64_t m = 0;
     for (; m + INPUT_BLOCK <= M; m += INPUT_BLOCK)
         tile_vnni(a, d, prep, codes, scales, y, N, K, m, n0, INPUT_BLOCK, rows);
@@ -242,15 +257,15 @@ typedef struct {
     int64_t M, K;
 } Units;
 
-/* Unit u of output j: one row at a time for a single input (ROW_BLOCK's comment), else blocks of ROW_BLOCK rows and
- * then the rows past the last whole block one by one. */
-static inline int64_t units_of(int64_t N, int64_t M) { return M == 1 ? N : N / ROW_BLOCK + N % ROW_BLOCK; }
+/* Unit u of output j: one row at a time for an input of at most STREAM_ROWS rows (ROW_BLOCK's comment), else blocks
+ * of ROW_BLOCK rows and then the rows past the last whole block one by one. */
+static inline int64_t units_of(int64_t N, int64_t M) { return M <= STREAM_ROWS ? N : N / ROW_BLOCK + N % ROW_BLOCK; }
 
 static void run_unit(const void* context, int64_t j, int64_t u) {
     const Units* c = context;
     const Q8Output* out = c->outs + j;
     const int64_t M = c->M, N = out->N, K = c->K, blocks = N / ROW_BLOCK;
-    if (M == 1) /* constant row counts at each call: the tiles' loops unroll */
+    if (M <= STREAM_ROWS) /* constant row counts at each call: the tiles' loops unroll */
         output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, u, 1);
     else if (u < blocks)
         output_rows(c->a, c->d, c->prep, out->codes, out->scales, out->y, M, N, K, u * ROW_BLOCK, ROW_BLOCK);
