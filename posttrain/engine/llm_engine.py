@@ -1,7 +1,8 @@
 """LLMEngine: requests in (token ids), one scheduling + forward + sampling step at a time, outputs out.
 
 Text appears here only to apply stop strings and to fill `CompletionOutput.text` (through the
-tokenizer, when one is given); the scheduler, block manager and runner see token ids only.
+tokenizer, when one is given; each request's texts and detokenizers live in request_state.py); the scheduler,
+block manager and runner see token ids only.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,35 +20,18 @@ from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.chained_steps import chain_draws, chain_length, halting_tokens
 from posttrain.engine.config import EngineConfig
 from posttrain.engine.device_memory import free_device_memory
-from posttrain.engine.outputs import CompletionOutput, RequestOutput
+from posttrain.engine.outputs import RequestOutput
 from posttrain.engine.prompt_logprobs import PromptLogprobs
+from posttrain.engine.request_state import EngineRequest
 from posttrain.engine.runner import ModelRunner
 from posttrain.engine.sampler import make_generator
 from posttrain.engine.sampling_params import SamplingParams
 from posttrain.engine.scheduler import ScheduledBatch, Scheduler
 from posttrain.engine.sequence import Sequence
 from posttrain.engine.speculative.decoder import build_speculative_decoder
-from posttrain.engine.stop import IncrementalDetokenizer, find_stop, truncate_at_stop
+from posttrain.engine.stop import find_stop, truncate_at_stop
 from posttrain.engine.weights_lock import WeightsLock
 from posttrain.errors import PosttrainError
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    seqs: list[Sequence | None]  # by sample index; filled as the first sequence forks
-    detokenizers: list[Any] = field(default_factory=list)  # by sample index, when text is tracked per step
-    texts: list[str | None] = field(default_factory=list)  # final text per sample, once finished
-    num_cached_tokens: int = 0
-    prompt_logprobs: PromptLogprobs | None = None  # filled by the first sequence's prefill, when asked for
-
-    @property
-    def finished(self) -> bool:
-        return all(seq is not None and seq.is_finished for seq in self.seqs)
 
 
 class LLMEngine:
@@ -95,7 +78,7 @@ class LLMEngine:
         # an episode loop waiting on its environment workers (async RL: the rollout side counts as idle there, so
         # the update takes every core, rollout/core_share.py). A no-op by default.
         self.waiting: Callable[[], AbstractContextManager[None]] = nullcontext
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self.asleep = False
         self.num_steps = 0
         self.chained_steps = 1  # the decode steps the last engine step chained (chained_steps.py)
@@ -148,9 +131,9 @@ class LLMEngine:
         params = params or SamplingParams()
         self.check_request(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, self._generator(params, 0), num_forks=params.n - 1)
-        request = _Request(request_id, prompt, list(prompt_token_ids), params, stream, [seq] + [None] * (params.n - 1))
-        request.texts = [None] * params.n
-        request.detokenizers = [None] * params.n
+        request = EngineRequest(
+            request_id, prompt, list(prompt_token_ids), params, stream, [seq] + [None] * (params.n - 1)
+        )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = seq.prompt_logprobs = PromptLogprobs(
                 len(prompt_token_ids), params.prompt_logprobs, params.prompt_logprobs_from, params.prompt_logprob_ranks
@@ -287,7 +270,7 @@ class LLMEngine:
                 row += 1
         if not groups and not checking:
             return []
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         if checking:
             self._append_checked(out.logits, checking, touched)
         drawing: list[int] = []  # the groups that draw a token now
@@ -305,15 +288,15 @@ class LLMEngine:
             self._draw(logits, [groups[i] for i in drawing], touched)
         return self._outputs(touched)
 
-    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+    def _outputs(self, touched: dict[str, EngineRequest]) -> list[RequestOutput]:
         """The step's outputs: the requests it finished, and the streaming ones it appended to."""
         outputs = []
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
-                outputs.append(self._request_output(request))
+                outputs.append(request.output())
             elif request.stream:
-                outputs.append(self._request_output(request))
+                outputs.append(request.output())
         if not self.requests:  # idle: staged K/V copies and packed weights are not needed until the next wave
             self.runner.release_step_buffers()
             if self.speculator is not None:
@@ -356,7 +339,7 @@ class LLMEngine:
         # (the sampled rows' logprobs are sampler.c's, as the one-step sampler's native draw reports them)
         # the tokens the chain fed forward (the sampler's argmax over the same rows is the same first maximum)
         token_ids, logprob_values = tokens.T.tolist(), logprobs.T.tolist()  # (S, n) each
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         for i, seq in enumerate(seqs):
             appended = [(token_ids[i][j], logprob_values[i][j], top[i * n + j] if top else None) for j in range(n)]
             self._append_computed(seq, appended, touched)
@@ -372,7 +355,7 @@ class LLMEngine:
             request.seqs[child.index] = child
         return children
 
-    def _draw(self, logits: torch.Tensor, groups: list[list[Sequence]], touched: dict[str, _Request]) -> None:
+    def _draw(self, logits: torch.Tensor, groups: list[list[Sequence]], touched: dict[str, EngineRequest]) -> None:
         """Sample one token for every sequence of `groups` (group i from logits row i) and append it."""
         drawn = self.runner.sample(logits, groups, self.eos_token_ids)
         token_ids, logprobs = drawn.token_ids.tolist(), drawn.logprobs.tolist()
@@ -384,7 +367,7 @@ class LLMEngine:
         self.num_generated_tokens += len(token_ids)
 
     def _append_checked(
-        self, logits: torch.Tensor, checking: list[tuple[Sequence, int]], touched: dict[str, _Request]
+        self, logits: torch.Tensor, checking: list[tuple[Sequence, int]], touched: dict[str, EngineRequest]
     ) -> None:
         """Append what the speculative check kept for each sequence: its accepted drafts, then the target's token.
         Each accepted draft's K/V was computed by this step, so the sequence's cached tokens (and the prefix-cache
@@ -393,7 +376,7 @@ class LLMEngine:
         for (seq, _), tokens in zip(checking, appended):
             self._append_computed(seq, tokens, touched)
 
-    def _append_computed(self, seq: Sequence, tokens: list, touched: dict[str, _Request]) -> None:
+    def _append_computed(self, seq: Sequence, tokens: list, touched: dict[str, EngineRequest]) -> None:
         """Append `tokens` ((token, logprob, top logprobs) each) to seq, one at a time until one ends it. This step
         computed the K/V of seq's last token and of every appended token but the last, so its cached tokens (and
         the prefix-cache blocks they fill) move up with them; blocks past what it keeps are given back."""
@@ -410,7 +393,7 @@ class LLMEngine:
         if not seq.is_finished:
             self.block_manager.truncate(seq, seq.num_tokens)
 
-    def _end_without_output(self, seq: Sequence) -> _Request:
+    def _end_without_output(self, seq: Sequence) -> EngineRequest:
         """Finish a max_tokens=0 sequence at the end of its prefill, with no token."""
         request = self.requests[seq.request_id]
         self._start_output(request, seq)
@@ -418,13 +401,13 @@ class LLMEngine:
         self.scheduler.finish(seq, "length")
         return request
 
-    def _start_output(self, request: _Request, seq: Sequence) -> None:
+    def _start_output(self, request: EngineRequest, seq: Sequence) -> None:
         """The prompt is done: record the weights in force and (once per request) the prefix-cache hits."""
         seq.policy_version = self.policy_version
         if seq.index == 0:
             request.num_cached_tokens = seq.num_cache_hit_tokens
 
-    def _append_token(self, request: _Request, seq: Sequence, token: int, logprob: float, top: Any) -> None:
+    def _append_token(self, request: EngineRequest, seq: Sequence, token: int, logprob: float, top: Any) -> None:
         params = seq.params
         if seq.num_output_tokens == 0:
             self._start_output(request, seq)
@@ -444,7 +427,7 @@ class LLMEngine:
                 reason, stop_reason, stop_token = "stop", token, True
         if reason is None and (num_out == params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
-        detok = self._detokenizer(request, seq)
+        detok = request.detokenizer(seq, self.tokenizer)
         if detok is not None:
             delta = "" if stop_token else detok.add(token)  # a stop token's text is never shown
             if reason is not None:
@@ -458,74 +441,11 @@ class LLMEngine:
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
             if request.texts[seq.index] is None:
-                request.texts[seq.index] = self._final_text(request, seq, drop_last=stop_token)
-
-    def _detokenizer(self, request: _Request, seq: Sequence) -> Any:
-        """Text is tracked token by token only when needed: stop strings, or streaming."""
-        if self.tokenizer is None or not (seq.params.stop or request.stream):
-            return None
-        detok = request.detokenizers[seq.index]
-        if detok is None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
-            for token in seq.output_token_ids[:-1]:  # a fork arrives with its first token already appended
-                detok.add(token)
-            request.detokenizers[seq.index] = detok
-        return detok
-
-    def _final_text(self, request: _Request, seq: Sequence, drop_last: bool) -> str:
-        detok = request.detokenizers[seq.index]
-        if detok is not None:
-            return detok.text
-        if self.tokenizer is None:
-            return ""
-        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+                request.texts[seq.index] = request.final_text(seq, self.tokenizer, drop_last=stop_token)
 
     def current_text(self, request_id: str, index: int) -> str:
         """The text of a running sample so far ('' without a tokenizer)."""
-        request = self.requests[request_id]
-        if request.texts[index] is not None:
-            return request.texts[index]
-        detok = request.detokenizers[index]
-        return detok.text if detok is not None else ""
-
-    def _request_output(self, request: _Request) -> RequestOutput:
-        want_logprobs = request.params.logprobs is not None and request.params.logprobs is not False
-        outputs = []
-        for index, seq in enumerate(request.seqs):
-            if seq is None:  # not forked yet
-                outputs.append(CompletionOutput(index, "", []))
-                continue
-            if request.texts[index] is not None:
-                text = request.texts[index]
-            else:
-                detok = request.detokenizers[index]
-                text = detok.text if detok is not None else ""
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=seq.output_token_ids,
-                    logprobs=list(seq.output_logprobs) if want_logprobs else None,
-                    top_logprobs=list(seq.output_top_logprobs) if request.params.num_top_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    policy_version=seq.policy_version,
-                    token_policy_versions=list(seq.output_policy_versions),
-                )
-            )
-        prompt_logprobs = request.prompt_logprobs
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            outputs,
-            finished=request.finished,
-            num_cached_tokens=request.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs.entries() if prompt_logprobs else None,
-            prompt_top_logprobs=prompt_logprobs.top_entries() if prompt_logprobs else None,
-            prompt_logprob_ranks=prompt_logprobs.rank_entries() if prompt_logprobs else None,
-        )
+        return self.requests[request_id].current_text(index)
 
     # ---- weights and memory ---------------------------------------------------------------------------
 
