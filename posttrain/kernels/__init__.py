@@ -44,7 +44,7 @@ SOURCES = [
     HERE / "bf16_linear.c",
     HERE / "decode_step.c",
 ]
-HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h", HERE / "linear_outputs.h"]
+HEADERS = [HERE / "vec_math.h", HERE / "paged_decode_kv.h", HERE / "attention_rows.h", HERE / "linear_outputs.h"]
 DISABLE_ENV = "POSTTRAIN_CPU_KERNELS"  # "0": never build or use them
 MARCH_ENV = "POSTTRAIN_CPU_KERNELS_MARCH"  # the instruction set to build for; unset: the CPU's own ("native")
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]  # + -march=<target_march()>

@@ -35,84 +35,27 @@
 #include <immintrin.h>
 #endif
 
-/* out[t] = q . k_t for the n keys at k + t * stride: LANES keys at a time (independent FMA chains), their
- * dot products summed across lanes together. */
-static void scores_of_row8(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) {
-        const float* kt = k + t * stride;
-        vec a[LANES] = {{0}};
-        for (int64_t d = 0; d < D; d += LANES) {
-            vec qd = load(q + d);
-            for (int i = 0; i < LANES; i++) a[i] += qd * load(kt + i * stride + d);
-        }
-        store(out + t, lane_sums(a));
-    }
-    for (; t < n; t++) {
-        vec a = {0};
-        for (int64_t d = 0; d < D; d += LANES) a += load(q + d) * load(k + t * stride + d);
-        out[t] = lane_sum(a);
-    }
-}
-
-/* acc (D,) += sum_t p[t] * v_t over the n values at v + t * stride; 64 dims at a time stay in registers. */
-static void accumulate_row8(float* acc, const float* p, const float* v, int64_t n, int64_t stride, int64_t D) {
-    int64_t d0 = 0;
-    for (; d0 + 8 * LANES <= D; d0 += 8 * LANES) {
-        vec a[8];
-        for (int i = 0; i < 8; i++) a[i] = load(acc + d0 + i * LANES);
-        for (int64_t t = 0; t < n; t++) {
-            const float* vt = v + t * stride + d0;
-            vec pt = splat(p[t]);
-            for (int i = 0; i < 8; i++) a[i] += pt * load(vt + i * LANES);
-        }
-        for (int i = 0; i < 8; i++) store(acc + d0 + i * LANES, a[i]);
-    }
-    for (; d0 < D; d0 += LANES) {
-        vec a = load(acc + d0);
-        for (int64_t t = 0; t < n; t++) a += splat(p[t]) * load(v + t * stride + d0);
-        store(acc + d0, a);
-    }
-}
-
+/* scores_of_row8 / accumulate_row8 on 8-lane vectors, and on AVX-512 their 16-lane twins (half the instructions per
+ * element), from one body (attention_rows.h). */
+#define ROW_SUFFIX 8
+#define ROW_VEC vec
+#define ROW_LANES LANES
+#define ROW_LOAD load
+#define ROW_STORE store
+#define ROW_SPLAT splat
+#define ROW_LANE_SUM lane_sum
+#define ROW_LANE_SUMS lane_sums
+#include "attention_rows.h"
 #ifdef WIDE_VEC
-/* The two above 16 lanes wide, for D a multiple of 16 on AVX-512: half the instructions per element. */
-static void scores_of_row16(const float* q, const float* k, int64_t n, int64_t stride, int64_t D, float* out) {
-    int64_t t = 0;
-    for (; t + LANES16 <= n; t += LANES16) {
-        const float* kt = k + t * stride;
-        vec16 a[LANES16] = {{0}};
-        for (int64_t d = 0; d < D; d += LANES16) {
-            vec16 qd = load16(q + d);
-            for (int i = 0; i < LANES16; i++) a[i] += qd * load16(kt + i * stride + d);
-        }
-        store16(out + t, lane_sums16(a));
-    }
-    for (; t < n; t++) {
-        vec16 a = {0};
-        for (int64_t d = 0; d < D; d += LANES16) a += load16(q + d) * load16(k + t * stride + d);
-        out[t] = lane_sum16(a);
-    }
-}
-
-static void accumulate_row16(float* acc, const float* p, const float* v, int64_t n, int64_t stride, int64_t D) {
-    int64_t d0 = 0;
-    for (; d0 + 4 * LANES16 <= D; d0 += 4 * LANES16) {
-        vec16 a[4];
-        for (int i = 0; i < 4; i++) a[i] = load16(acc + d0 + i * LANES16);
-        for (int64_t t = 0; t < n; t++) {
-            const float* vt = v + t * stride + d0;
-            vec16 pt = splat16(p[t]);
-            for (int i = 0; i < 4; i++) a[i] += pt * load16(vt + i * LANES16);
-        }
-        for (int i = 0; i < 4; i++) store16(acc + d0 + i * LANES16, a[i]);
-    }
-    for (; d0 < D; d0 += LANES16) {
-        vec16 a = load16(acc + d0);
-        for (int64_t t = 0; t < n; t++) a += splat16(p[t]) * load16(v + t * stride + d0);
-        store16(acc + d0, a);
-    }
-}
+#define ROW_SUFFIX 16
+#define ROW_VEC vec16
+#define ROW_LANES LANES16
+#define ROW_LOAD load16
+#define ROW_STORE store16
+#define ROW_SPLAT splat16
+#define ROW_LANE_SUM lane_sum16
+#define ROW_LANE_SUMS lane_sums16
+#include "attention_rows.h"
 #endif
 
 /* One row's scores / accumulation over a block of fp32 K / V: 16 lanes wide where the build and D allow. */

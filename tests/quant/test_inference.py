@@ -63,7 +63,9 @@ def test_grouped_int8_uses_each_groups_own_scale():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, NATIVE_MAX_ROWS, 95])  # streamed rows (1-3), blocks, a prefill (odd last input)
+@pytest.mark.parametrize(
+    "rows", [1, 2, 3, 5, NATIVE_MAX_ROWS, 95]
+)  # streamed rows (1-3), blocks, a prefill (odd last input)
 @pytest.mark.parametrize("shape", [(64, 576), (30, 96)])  # 30 rows: a last block of 2; 96: an odd 3rd group
 def test_q8_kernel_matches_its_reference(kernel_march: str, rows: int, shape: tuple[int, int]):
     """For this CPU's build (AVX512-VNNI's vpdpbusd where it has it) and AVX2's: llama.cpp's Q8_0 product: the C kernel rounds the activations to int8 per group of 32 exactly as
