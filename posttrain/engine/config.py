@@ -71,6 +71,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def reserve_blocks(self, num_blocks: int) -> int:
+        """Blocks of a pool of `num_blocks` that admissions, draft checks and chained steps leave free for the
+        running sequences' next tokens (the watermark)."""
+        return int(self.watermark * num_blocks)
+
     def validate(self) -> None:
         self.speculative = as_speculative_config(self.speculative)
         _positive_int("block_size", self.block_size)

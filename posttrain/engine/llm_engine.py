@@ -81,7 +81,6 @@ class LLMEngine:
         self.requests: dict[str, EngineRequest] = {}
         self.asleep = False
         self.num_steps = 0
-        self.chained_steps = 1  # the decode steps the last engine step chained (chained_steps.py)
         self.num_generated_tokens = 0
         self.num_processed_tokens = 0  # tokens through the model (prefill + decode), for throughput figures
         self._seed_rng = random.Random(0)
@@ -222,10 +221,9 @@ class LLMEngine:
         with self.weights_lock.engine_step():
             if self.speculator is None:
                 return self._step()
-            start, self.chained_steps = time.perf_counter(), 1
+            start = time.perf_counter()
             outputs = self._step()
-            # what a draft row costs (draft_length.py), against a plain step's time: a chain's share per step
-            self.speculator.step_took((time.perf_counter() - start) / self.chained_steps)
+            self.speculator.step_took(time.perf_counter() - start)  # what a draft row costs (draft_length.py)
             return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -311,7 +309,7 @@ class LLMEngine:
         if steps == 1:
             return None
         bm, seqs = self.block_manager, batch.seqs
-        reserve = int(self.config.watermark * self.num_blocks)  # as the speculative decoder's drafts leave free
+        reserve = self.config.reserve_blocks(bm.num_blocks)  # as the scheduler and draft checks leave free
         if sum(bm.num_new_blocks(seq, steps) for seq in seqs) + reserve > bm.num_free_blocks:
             return None  # short of blocks: one step at a time, which the scheduler makes room for
         for seq in seqs:
@@ -329,7 +327,8 @@ class LLMEngine:
         tokens, logits, logprobs = ran  # (n, S), (n, S, V), (n, S)
         n = tokens.shape[0]
         self.num_steps += 1
-        self.chained_steps = n
+        if self.speculator is not None:
+            self.speculator.chained(n)
         self.num_processed_tokens += n * len(seqs)
         top = None
         if draws.greedy:  # the sampler's own logprobs over each sequence's n rows in turn: what n plain steps report

@@ -81,7 +81,7 @@ class Scheduler:
         if not batch.preempted:
             seats = self.num_reserved_seats
             # The watermark only keeps room for running sequences; with none, it would only block the queue.
-            reserve = int(self.config.watermark * bm.num_blocks) if self.running else 0
+            reserve = self.config.reserve_blocks(bm.num_blocks) if self.running else 0
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
                 if seats + 1 + seq.num_forks > self.config.max_num_seqs:

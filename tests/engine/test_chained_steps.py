@@ -213,6 +213,32 @@ def test_speculative_decoding_with_chains_is_still_plain_greedy() -> None:
     assert spec.stats()["spec_draft_tokens"] > 0
 
 
+def test_a_chains_time_counts_per_decode_step_in_the_draft_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adaptive draft length weighs a draft row against a plain decode step: a chain of n steps that took t
+    seconds is timed as n steps of t / n each (every engine step takes one tick of this clock)."""
+    from posttrain.engine import llm_engine
+
+    class Ticks:
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            cls.now += 1.0  # read at the start and the end of each step: every step takes 1.0
+            return cls.now
+
+    monkeypatch.setattr(llm_engine, "time", Ticks)
+    spec = make_llm(tiny_model(1), speculative={"method": "ngram", "num_tokens": 4})
+    timed, chained = [], []
+    length, decoder = spec.engine.speculator.length, spec.engine.speculator
+    monkeypatch.setattr(length, "step_took", lambda seqs, rows, seconds: timed.append((seqs, rows, seconds)))
+    real_chained = decoder.chained
+    monkeypatch.setattr(decoder, "chained", lambda steps: (chained.append(steps), real_chained(steps)))
+    spec.generate([[3, 1, 4]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    plain = [seconds for seqs, rows, seconds in timed if rows == 0]
+    assert max(chained) > 1  # some steps chained
+    assert sorted(plain) == sorted([1.0 / n for n in chained] + [1.0] * (len(plain) - len(chained)))
+
+
 def one_step_uniforms(steps: int, then: int) -> tuple[list, list]:
     """sampler.py's `_uniforms` for [unseeded, seeded (seed 3), unseeded] over `steps` steps from torch seed 0, and
     then `then` more draws of the default generator and of the seeded one."""

@@ -50,7 +50,7 @@ class SpeculativeDecoder:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
-        self.reserve_blocks = int(engine_config.watermark * block_manager.num_blocks)
+        self.reserve_blocks = engine_config.reserve_blocks(block_manager.num_blocks)
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
         self.workspace = SamplingWorkspace()
@@ -61,6 +61,7 @@ class SpeculativeDecoder:
         self.num_skipped_tokens = 0  # n-gram drafts proposed but not checked: they would not have paid (adaptive)
         self.length = DraftLength() if config.adaptive else None
         self.step_shape: tuple[int, int] | None = None  # this step's (decoding sequences, draft rows), if pure decode
+        self.decode_steps = 1  # the decode steps this engine step chained (`chained`)
 
     # ---- drafting ----------------------------------------------------------------------------------------
 
@@ -68,7 +69,7 @@ class SpeculativeDecoder:
         """Give the batch's decoding sequences drafts (seq.draft_token_ids) and widen their share of the step to
         the last token plus the drafts, within the token budget, max_model_len, max_tokens and the free blocks,
         and, with `adaptive`, as many of each proposal's drafts as pay for their rows (draft_length.py)."""
-        self.step_shape = None
+        self.step_shape, self.decode_steps = None, 1
         budget = self.max_num_batched_tokens - batch.num_batched_tokens
         chosen: list[int] = []
         caps: list[int] = []
@@ -118,12 +119,17 @@ class SpeculativeDecoder:
         if self.step_shape is not None:
             self.step_shape = (decoding, draft_rows)
 
+    def chained(self, steps: int) -> None:
+        """This engine step ran `steps` chained decode steps (posttrain/engine/chained_steps.py): its time counts per
+        decode step, what a draft row is weighed against."""
+        self.decode_steps = steps
+
     def step_took(self, seconds: float) -> None:
-        """The engine's step (drafting, the forward, the check) took `seconds`: a pure decode step's time feeds the
-        cost of a draft row."""
+        """The engine's step (drafting, the forward, the check) took `seconds`: a pure decode step's time (a chain's
+        share per decode step) feeds the cost of a draft row."""
         if self.length is not None and self.step_shape is not None:
-            self.length.step_took(*self.step_shape, seconds)
-        self.step_shape = None
+            self.length.step_took(*self.step_shape, seconds / self.decode_steps)
+        self.step_shape, self.decode_steps = None, 1
 
     def discard(self, batch: ScheduledBatch) -> None:
         """The step failed: forget its drafts (the blocks they took stay with their sequences, to be used next)."""
