@@ -264,8 +264,7 @@ int64_t decode_chained_steps(const DecodeLayer* layers, int64_t num_layers, Deco
     while (j < steps && !halted) {
         s->cos = cos + j * M * D;
         s->sin = sin + j * M * D;
-        s->slots = slots + j * M;
-        s->context_lens = context_lens;
+        s->slots = slots + j * M; /* (s->context_lens is `context_lens`, moved up below) */
         decode_layers(layers, num_layers, s, x, hidden, final_norm, scratch, threads);
         float* row_logits = logits + j * M * V;
         linear(head, hidden, row_logits, M, x16, threads);
