@@ -290,7 +290,8 @@ class PosttrainSide:
         )
         self.llm.engine.touch_kv_cache()  # the pool's pages faulted in now (llama.cpp clears its cache at start too)
         self.prompts = fixed_prompts(self.llm.tokenizer, workload.sequences)
-        self.llm.generate(self.prompts[:2], SamplingParams(n=2, max_tokens=4, ignore_eos=True))  # warm-up
+        warm = min(2, workload.sequences)
+        self.llm.generate(self.prompts[:warm], SamplingParams(n=warm, max_tokens=4, ignore_eos=True))  # warm-up
         self.llm.generate(self.prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         self.sampling = SamplingParams
 
