@@ -45,6 +45,7 @@ def draws_plain_sample(seq: Sequence) -> bool:
         and not params.has_filters
         and not params.has_penalties
         and params.num_top_logprobs == 0
+        and not params.logits_processors
         and seq.num_output_tokens >= params.min_tokens
     )
 

@@ -380,7 +380,19 @@ class ModelRunner:
             for group in groups
             for seq in group
         ]
+        if any(row.params.logits_processors for row in rows):
+            logits = _processed(logits, rows)
         return sample(logits, rows, self.workspace, native_kernels=self.config.cpu_kernels)
+
+
+def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits (R, V) with each row's logits processors applied to its row, on a copy (the step's logits may be
+    a view that others read)."""
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        for process in row.params.logits_processors:
+            logits[i] = process(row.output_token_ids, logits[i])
+    return logits
 
 
 class DecodeGraphs:

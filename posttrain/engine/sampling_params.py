@@ -7,7 +7,10 @@ logits is the sampler's (posttrain/engine/sampler.py, whose docstring gives the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from posttrain.errors import PosttrainError
 
@@ -38,6 +41,10 @@ class SamplingParams:
     of one more pass over the prompt's logits.
     `max_tokens=0` prefills the prompt and generates nothing (scoring with `prompt_logprobs`).
     `stop` and `stop_token_ids` are normalised to lists (empty when None).
+    `logits_processors` (vLLM's): callables `f(output_token_ids, logits) -> logits` over one sequence's raw
+    logits row (V,), before penalties and temperature, e.g. a mask of -inf for constrained decoding; the
+    logprobs then report the processed distribution (what was sampled from). Such a sequence draws one token a
+    step through the sampler: no chained decode steps, no speculative drafts.
     """
 
     n: int = 1
@@ -60,6 +67,7 @@ class SamplingParams:
     prompt_logprobs_from: int = 1  # the first prompt token given an entry (earlier ones: None, and no logits)
     prompt_logprob_ranks: bool = False  # also each prompt token's rank by logit (vLLM's `rank`)
     skip_special_tokens: bool = True
+    logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +80,10 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logits_processors is None:
+            self.logits_processors = []
+        elif isinstance(self.logits_processors, tuple):
+            self.logits_processors = list(self.logits_processors)
         self._validate()
 
     def _validate(self) -> None:
@@ -146,6 +158,11 @@ class SamplingParams:
             "a bool, and False unless prompt_logprobs is set",
         )
         check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool")
+        check(
+            isinstance(self.logits_processors, list) and all(callable(f) for f in self.logits_processors),
+            "logits_processors",
+            "a list of callables f(output_token_ids, logits) -> logits",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -109,7 +109,12 @@ class Sequence:
         output is already that long, so every later token's is too). Speculative checks and chained decode steps
         pick such a sequence's tokens straight from the logits."""
         params = self.params
-        return params.is_greedy and not params.has_penalties and self.num_output_tokens >= params.min_tokens
+        return (
+            params.is_greedy
+            and not params.has_penalties
+            and not params.logits_processors
+            and self.num_output_tokens >= params.min_tokens
+        )
 
     @property
     def tokens_left(self) -> int:

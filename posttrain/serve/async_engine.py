@@ -45,6 +45,10 @@ class ServedModel:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.engine.eos_token_ids
+
 
 @dataclass
 class _Call:

@@ -112,6 +112,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
+    parallel_tool_calls: bool = True  # False: at most one call per reply
     return_token_ids: bool = False  # vLLM extension: the prompt's and each choice's token ids
 
 

@@ -1,10 +1,10 @@
 """Tool calls on /v1/chat/completions, as vLLM's `--tool-call-parser` serves them (docs/serve.md "Tool calls").
 
     calling = tool_calling("hermes")                      # at startup: the parser and its markup
-    plan = request_tools(req, template_takes_tools(src))  # per request: tools for the template, what to parse
+    plan = request_tools(req, template_takes_tools(src), calling)  # per request: tools, what to parse and force
     messages = template_messages(req.messages)            # OpenAI messages -> chat-template messages
-    message, reason = chat_reply(calling, plan, out.text, out_reason)  # a whole reply
-    reader = ToolCallReader(calling)                      # a streamed reply, per choice:
+    message, reason = chat_reply(calling, plan, plan.prefill + out.text, out_reason)  # a whole reply
+    reader = ToolCallReader(calling, plan)                # a streamed reply, per choice (fed the prefill first):
     content, call_deltas = reader.feed(delta_text, finished)
 
 Request side: `tools` reach the chat template's `tools=` variable; assistant `tool_calls` (arguments as the
@@ -29,6 +29,7 @@ import jinja2.meta
 
 from posttrain.envs.tool_calls import ToolCallParser, get_tool_call_parser
 from posttrain.envs.turns import ToolCall
+from posttrain.serve.call_grammar import CallGrammar
 from posttrain.serve.errors import APIError
 from posttrain.serve.protocol import (
     CHAT_ROLES,
@@ -69,14 +70,22 @@ def template_takes_tools(source: str | None) -> bool:
 @dataclass(frozen=True)
 class RequestTools:
     """What one request asks: the tools for the template (None: none), whether to parse the reply for calls,
-    and the one function a named `tool_choice` forces (its reply ends with "stop", as OpenAI's does)."""
+    the one function a named `tool_choice` forces (its reply ends with "stop", as OpenAI's does), the grammar
+    that forces calls ("required" or named; forced_calls.py), and whether a reply may hold several calls."""
 
     schemas: list[dict[str, Any]] | None = None
     parse: bool = False
     named: str | None = None
+    forced: CallGrammar | None = None
+    parallel: bool = True
+
+    @property
+    def prefill(self) -> str:
+        """The text the reply is begun with (prompt side: the model did not sample it)."""
+        return self.forced.forced_prefix() if self.forced is not None else ""
 
 
-def request_tools(req: ChatCompletionRequest, takes_tools: bool) -> RequestTools:
+def request_tools(req: ChatCompletionRequest, takes_tools: bool, calling: ToolCalling) -> RequestTools:
     choice = req.tool_choice
     named = choice.function.name if choice is not None and not isinstance(choice, str) else None
     if not req.tools:
@@ -98,8 +107,19 @@ def request_tools(req: ChatCompletionRequest, takes_tools: bool) -> RequestTools
             f"tool_choice names the function {named!r}, which is not among tools ({', '.join(names)})",
             param="tool_choice",
         )
+    forced = None
+    if choice == "required" or named is not None:
+        if calling.markup != TOOL_CALL_MARKUP["hermes"]:
+            raise APIError(
+                f"tool_choice {choice if named is None else named!r} is enforced with the hermes call markup; "
+                "serve with --tool-call-parser hermes",
+                param="tool_choice",
+            )
+        forced = CallGrammar([named] if named is not None else names, parallel=req.parallel_tool_calls)
     schemas = [tool.model_dump(exclude_none=True) for tool in req.tools]
-    return RequestTools(schemas=schemas, parse=choice != "none", named=named)
+    return RequestTools(
+        schemas=schemas, parse=choice != "none", named=named, forced=forced, parallel=req.parallel_tool_calls
+    )
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -166,7 +186,7 @@ def chat_reply(
     """A whole reply's message and finish reason; without parsing, the text as content."""
     if not plan.parse:
         return AssistantMessage(content=text), reason
-    content, calls = ToolCallReader(calling).update(text, finished=True)
+    content, calls = ToolCallReader(calling, plan).update(text, finished=True)
     if not calls:
         return AssistantMessage(content=content), reason
     tool_calls = [ToolCallOut(id=call.id, function=wire_function(call)) for call in calls]
@@ -205,7 +225,8 @@ class ToolCallReader:
     completed. Fed once with `finished=True` it reads a whole reply (non-streaming); fed as the text grows it
     gives the same content and calls in pieces."""
 
-    def __init__(self, calling: ToolCalling) -> None:
+    def __init__(self, calling: ToolCalling, plan: RequestTools | None = None) -> None:
+        self._max_calls = 1 if plan is not None and not plan.parallel else None  # parallel_tool_calls false
         self._parser = calling.parser
         self._markup = calling.markup
         self._content = _Content()
@@ -249,8 +270,14 @@ class ToolCallReader:
                 self._content.call()
         if finished:
             shown.append(self._content.flush())
+        return "".join(shown), self._counted(calls)
+
+    def _counted(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls within the reply's limit (parallel_tool_calls false: the first), counted."""
+        if self._max_calls is not None:
+            calls = calls[: max(0, self._max_calls - self.num_calls)]
         self.num_calls += len(calls)
-        return "".join(shown), calls
+        return calls
 
     def _one_call(self, block: str) -> ToolCall | None:
         turn = self._parser(block)
@@ -264,8 +291,7 @@ class ToolCallReader:
         if not turn.tool_calls:
             return text, []
         calls = [ToolCall(name=c.name, arguments=c.arguments, id=new_call_id()) for c in turn.tool_calls]
-        self.num_calls += len(calls)
-        return turn.content, calls
+        return turn.content, self._counted(calls)
 
 
 def _partial_marker(text: str, marker: str, lo: int) -> int:

@@ -77,6 +77,8 @@ class SpeculativeDecoder:
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if num_new != 1 or seq.num_output_tokens == 0 or seq.num_uncomputed_tokens != 1:
                 continue  # prefilling: its next token comes from the prompt's logits
+            if seq.params.logits_processors:
+                continue  # its logits are processed before each draw: drafts checked on raw logits would skip that
             decoding += 1
             if budget <= 0:
                 continue

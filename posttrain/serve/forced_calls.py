@@ -1,0 +1,97 @@
+"""`tool_choice` "required" or a named function, enforced: the reply is pre-filled with the call's opening markup
+and each later token is drawn only among those that keep the text inside the call grammar (call_grammar.py).
+
+    table = TokenTable(tokenizer)                                   # once per server: each token id's text
+    prefill = grammar.forced_prefix()                               # appended to the prompt (prompt-side ids)
+    params.logits_processors = [CallMask(grammar, table, eos_ids, max_tokens, prefill)]
+
+The mask, per step of one sample: the grammar state after the prefill and the sample's text so far; the
+candidate tokens are the `CANDIDATES` most likely, each kept when its text keeps the state in the grammar (an
+end-of-sequence token only where the reply may end); every other token gets -inf. Only when none of them fits
+is the whole vocabulary searched. So the draw is from the model's distribution over the grammar's tokens among
+its most likely (tokens far down the list, which a trained model gives a tiny mass, are not considered), and the
+reported logprob is that masked distribution's (what the token was drawn from).
+
+Budget: when the tokens left (max_tokens minus those drawn) come down to the length of the shortest end of the
+call (call_grammar's closer, one token per character at worst, plus the end-of-sequence token), only tokens
+that begin that end are allowed, so a reply whose max_tokens covers the prefilled call's shortest form always
+ends with whole calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.serve.call_grammar import CallGrammar, State
+
+CANDIDATES = 64
+
+
+class TokenTable:
+    """Each token id's text (special tokens: empty, never allowed inside a call), decoded once."""
+
+    def __init__(self, tokenizer: object) -> None:
+        ids = [[i] for i in range(tokenizer.vocab_size)]
+        self.texts: list[str] = tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+class CallMask:
+    """A logits processor (SamplingParams.logits_processors) for one request: its samples' states are keyed by
+    their output so far, so the n samples of one request share it."""
+
+    def __init__(
+        self, grammar: CallGrammar, table: TokenTable, eos_token_ids: set[int], max_tokens: int, prefill: str
+    ) -> None:
+        self.grammar = grammar
+        self.texts = table.texts
+        self.eos = sorted(eos_token_ids)
+        self.max_tokens = max_tokens
+        start = grammar.advance(grammar.start, prefill)
+        if start is None:
+            raise ValueError(f"the prefill {prefill!r} is not in the call grammar")
+        self._states: dict[tuple[int, ...], State] = {(): start}
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        state = self._state(output_token_ids)
+        closer = self.grammar.closer(state)
+        left = self.max_tokens - len(output_token_ids)
+        if left <= len(closer) + 1:  # the budget: only the shortest end now
+            allowed = self._closing(closer)
+        else:
+            allowed = self._fitting(state, torch.topk(logits, min(CANDIDATES, logits.numel())).indices.tolist())
+            if not allowed:
+                allowed = self._fitting(state, torch.argsort(logits, descending=True).tolist(), first_only=True)
+        index = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+        masked = torch.full_like(logits, float("-inf"))
+        masked[index] = logits[index]
+        return masked
+
+    def _state(self, ids: list[int]) -> State:
+        key = tuple(ids)
+        state = self._states.get(key)
+        if state is None:
+            state = self.grammar.advance(self._state(ids[:-1]), self.texts[ids[-1]])
+            if state is None:  # cannot happen: every drawn token was allowed
+                raise RuntimeError(f"token {ids[-1]} left the tool-call grammar")
+            self._states[key] = state
+        return state
+
+    def _fitting(self, state: State, ids: list[int], first_only: bool = False) -> list[int]:
+        allowed = []
+        ends = self.grammar.accepts(state)
+        for token in ids:
+            if token in self.eos:
+                fits = ends
+            else:
+                text = self.texts[token]
+                fits = bool(text) and self.grammar.advance(state, text) is not None
+            if fits:
+                allowed.append(token)
+                if first_only:
+                    break
+        return allowed
+
+    def _closing(self, closer: str) -> list[int]:
+        if not closer:
+            return self.eos
+        return [token for token, text in enumerate(self.texts) if text and closer.startswith(text)]
