@@ -14,13 +14,16 @@ JSON object (RFC 8259: strings with their escapes and no raw control characters,
 nesting); `\\u` escapes of the surrogate block (D800-DFFF, first hex digit d) are refused, since a lone surrogate
 cannot be sent as UTF-8. Every text the machine accepts parses with the hermes parser into that many calls.
 
-A state is a hashable tuple (phase, mode, stack, rest): `stack` holds the containers open in the arguments
-('o' object, 'a' array; the arguments object is the first), `rest` the chars a literal still needs.
+Whitespace outside strings comes in runs of at most MAX_WHITESPACE characters.
+
+A state is a hashable tuple (phase, mode, stack, rest, whitespace run): `stack` holds the containers open in the
+arguments ('o' object, 'a' array; the arguments object is the first), `rest` the chars a literal still needs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 WS = " \t\n\r"
 OPEN = '<tool_call>\n{"name": "'
@@ -30,12 +33,14 @@ _HEX = "0123456789abcdefABCDEF"
 _ESCAPES = '"\\/bfnrt'
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 _CLOSE = {"o": "}", "a": "]"}
+_STRING_STOPS = re.compile(r'["\\\x00-\x1f]')  # what ends a string, escapes, or is refused in one
+MAX_WHITESPACE = 16  # characters in a row outside strings (a model left free may write nothing else)
 _NUMBER_ENDS = {"#0", "#d", "#f", "#x"}  # a number may end in these modes
 
 # phases of one call, then DONE between calls
 P_OPEN, P_NAME, P_ARGS, P_BRACE, P_TAG, P_DONE = range(6)
 
-State = tuple  # (phase, mode, stack, rest)
+State = tuple  # (phase, mode, stack, rest, whitespace run)
 
 
 class CallGrammar:
@@ -44,18 +49,26 @@ class CallGrammar:
     def __init__(self, names: list[str], parallel: bool) -> None:
         self.options = [json.dumps(name, ensure_ascii=False)[1:-1] + NAME_END for name in names]
         self.parallel = parallel
-        self.start: State = (P_OPEN, "", "", OPEN)
+        self.start: State = (P_OPEN, "", "", OPEN, 0)
 
     def forced_prefix(self) -> str:
         """The text every reply begins with: the opening markup, and the name when there is only one."""
         return OPEN + (self.options[0] if len(self.options) == 1 else "")
 
     def advance(self, state: State | None, text: str) -> State | None:
+        if state is not None and state[0] == P_ARGS and state[1] in ("str", "key") and not _STRING_STOPS.search(text):
+            return state  # plain string content (most of a call's text): nothing changes
         for char in text:
             if state is None:
                 return None
             state = self._step(state, char)
         return state
+
+    def takes_any_char(self, state: State) -> bool:
+        """Whether a non-ASCII character may come next: inside a string (or a name that has one next, read
+        loosely: any non-ASCII name lets them all be tried)."""
+        in_string = state[0] == P_ARGS and state[1] in ("str", "key")
+        return in_string or (state[0] == P_NAME and any(not o.isascii() for o in self.options))
 
     def accepts(self, state: State | None) -> bool:
         return state is not None and state[0] == P_DONE
@@ -63,6 +76,15 @@ class CallGrammar:
     # ---- one character -------------------------------------------------------------------------------
 
     def _step(self, state: State, c: str) -> State | None:
+        moved = self._move(state[:4], c)
+        if moved is None:
+            return None
+        if c in WS and not (moved[0] == P_ARGS and moved[1] in ("str", "key")):
+            run = state[4] + 1  # whitespace between tokens of the call: a bounded run
+            return None if run > MAX_WHITESPACE else (*moved, run)
+        return (*moved, 0)
+
+    def _move(self, state: tuple, c: str) -> tuple | None:
         phase, mode, stack, rest = state
         if phase == P_OPEN:
             if rest == OPEN and c in WS:
@@ -150,7 +172,7 @@ class CallGrammar:
 
     def closer(self, state: State) -> str:
         """The shortest text that takes `state` to the end of a call (where the reply may end)."""
-        phase, mode, stack, rest = state
+        phase, mode, stack, rest, _ = state
         tail = "}" + END_TAG
         if phase == P_OPEN:
             return rest + min(self.options, key=len) + "{}" + tail

@@ -44,7 +44,9 @@ def test_every_prefix_is_accepted_and_closes_into_calls(seed: int) -> None:
     rng = random.Random(seed)
     grammar = CallGrammar(NAMES, parallel=True)
     for _ in range(15):
-        calls = [(rng.choice(NAMES), {"a": random_value(rng), "b": random_value(rng)}) for _ in range(rng.randint(1, 2))]
+        calls = [
+            (rng.choice(NAMES), {"a": random_value(rng), "b": random_value(rng)}) for _ in range(rng.randint(1, 2))
+        ]
         text = "\n".join(call_text(rng, name, arguments) for name, arguments in calls)
         state = grammar.start
         for i, char in enumerate(text):

@@ -1,7 +1,8 @@
 """Tool calls on /v1/chat/completions through the openai client, over a tiny model served with the chatml_tools
 template whose sampler is scripted (each reply is a given text, then EOS): tools and earlier calls rendered into
 the prompt the engine receives, one and two calls parsed, a malformed call kept as content, a stream's deltas
-reassembling to the same reply, tool_choice, return_token_ids, and the 400s."""
+reassembling to the same reply, tool_choice, return_token_ids, and the 400s. (Forced calls over free sampling:
+test_tool_choice.py.)"""
 
 from __future__ import annotations
 
@@ -221,9 +222,14 @@ def test_tool_choice_none_and_named(client: openai.OpenAI, script: Script) -> No
     content, calls, finish, _, _, _ = streamed(client, messages=ASK, tools=TOOLS, tool_choice="none")
     assert (content, calls, finish) == (ONE_CALL, {}, "stop")
     named = {"type": "function", "function": {"name": "calculator"}}
-    forced = chat(client, messages=ASK, tools=TOOLS, tool_choice=named)
+    # the reply is pre-filled up to the arguments (prompt side); the model writes them and the close
+    ids = script.says('{"expression": "347 * 29"}}\n</tool_call>')
+    forced = chat(client, messages=ASK, tools=TOOLS, tool_choice=named, extra_body={"return_token_ids": True})
     assert calls_of(forced.choices[0].message) == [("calculator", {"expression": "347 * 29"})]
     assert forced.choices[0].finish_reason == "stop"  # as OpenAI's for a named function
+    assert forced.choices[0].model_extra["token_ids"] == ids
+    prefill = '<tool_call>\n{"name": "calculator", "arguments": '
+    assert script.tokenizer.decode(script.prompts[-1]).endswith("<|im_start|>assistant\n" + prefill)
 
 
 def test_return_token_ids_stream_equals_engine(client: openai.OpenAI, script: Script) -> None:
