@@ -253,6 +253,8 @@ class _Handlers:
                         logprobs=self._choice_logprobs(req, finals[index], out, echoed),
                         finish_reason=render.finish_reason(out.finish_reason),
                         prompt_logprobs=self._prompt_logprobs(req, finals[index]),
+                        prompt_token_ids=list(finals[index].prompt_token_ids) if req.return_token_ids else None,
+                        token_ids=list(out.token_ids) if req.return_token_ids else None,
                     )
                 )
         usage = render.usage(prompt_tokens, completion_tokens)
@@ -306,9 +308,12 @@ class _Handlers:
             try:
                 async for index, output in outputs:
                     for out in output.outputs:
+                        first = (index, out.index) not in trackers
                         tracker = trackers.setdefault((index, out.index), render.DeltaTracker(params.stop))
                         delta = tracker.update(out)
                         if delta is None:
+                            if first:
+                                del trackers[(index, out.index)]  # its first chunk is still to come
                             continue
                         completion_tokens += len(delta.token_ids)
                         logprobs = None
@@ -325,6 +330,8 @@ class _Handlers:
                             text=delta.text,
                             logprobs=logprobs,
                             finish_reason=delta.finish_reason,
+                            prompt_token_ids=list(output.prompt_token_ids) if req.return_token_ids and first else None,
+                            token_ids=delta.token_ids if req.return_token_ids else None,
                         )
                         yield render.sse(_response_body(CompletionResponse, request_id, created, req.model, [choice]))
             except (EngineDeadError, PosttrainError) as error:

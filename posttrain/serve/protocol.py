@@ -55,6 +55,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM extension: each choice's prompt ids and completion ids
 
 
 class TextPart(_Request):
@@ -152,6 +153,10 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # with return_token_ids: the prompt's ids (a stream: in each choice's first chunk) and the completion's
+    # (the stop token included; a stream: the ids each chunk adds)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
