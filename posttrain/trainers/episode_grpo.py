@@ -79,8 +79,7 @@ def grpo_update(
         clipped += float((((ratio - 1).abs() > clip_eps) & (mask > 0)).sum())
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()  # the gradients stay in .grad until the next call (as after loss.backward())
     return {
         "loss": loss_sum,
         "model_tokens": float(num_tokens),
