@@ -5,7 +5,7 @@ function lets the model write (forced_calls.py masks the tokens that would leave
     state = grammar.advance(grammar.start, '<tool_call>\\n{"name": "calc')   # None: the text left the grammar
     grammar.accepts(state), grammar.closer(state)                             # may it end here; the shortest end
 
-A reply is one call, or with `parallel` one or more separated by whitespace:
+A reply is one call (and nothing after it), or with `parallel` one or more separated by whitespace:
 
     <tool_call>\\n{"name": "<one of names>", "arguments": <JSON object>} ws </tool_call>
 
@@ -111,10 +111,12 @@ class CallGrammar:
                 return None
             rest = rest[1:]
             return (P_TAG, "", "", rest) if rest else (P_DONE, "", "", "")
-        # P_DONE: whitespace, then (with parallel) another call
+        # P_DONE: with parallel, whitespace and another call; without, the reply ends here
+        if not self.parallel:
+            return None
         if c in WS:
             return state
-        return (P_OPEN, "", "", OPEN[1:]) if c == OPEN[0] and self.parallel else None
+        return (P_OPEN, "", "", OPEN[1:]) if c == OPEN[0] else None
 
     def _json(self, mode: str, stack: str, rest: str, c: str) -> State | None:
         def at(new_mode: str, new_stack: str = stack, new_rest: str = "") -> State:
