@@ -93,7 +93,11 @@ def _step_tokens(step: Mapping[str, Any], number: int) -> tuple[list[int], list[
     missing = [key for key in ("prompt_ids", "completion_ids", "completion_logprobs") if step.get(key) is None]
     if missing:
         raise PosttrainError(f"step {number} lacks {', '.join(missing)}")
-    prompt, sampled, logprobs = list(step["prompt_ids"]), list(step["completion_ids"]), list(step["completion_logprobs"])
+    prompt, sampled, logprobs = (
+        list(step["prompt_ids"]),
+        list(step["completion_ids"]),
+        list(step["completion_logprobs"]),
+    )
     if len(logprobs) != len(sampled):
         raise PosttrainError(
             f"step {number} has {len(sampled)} completion ids but {len(logprobs)} logprobs (one per sampled token)"
