@@ -43,7 +43,9 @@ def answered(completion, answer: str, **kwargs) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--model", default="smollm2-135m", help="what the server serves, by its --model (the weights trained here)")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="what the server serves, by its --model (the weights trained here)"
+    )
     parser.add_argument("--out", required=True, help="where the updated model is written (an HF directory)")
     parser.add_argument("--problems", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
@@ -62,7 +64,11 @@ def main() -> None:
     sampling = {"temperature": 1.0, "max_tokens": 128, "logprobs": True, "extra_body": {"return_token_ids": True}}
     results = asyncio.run(
         env.evaluate(
-            client, args.model, sampling_args=sampling, rollouts_per_example=args.group_size, state_columns=["trajectory"]
+            client,
+            args.model,
+            sampling_args=sampling,
+            rollouts_per_example=args.group_size,
+            state_columns=["trajectory"],
         )
     )
     samples = samples_from_verifiers(results["outputs"])
