@@ -361,20 +361,15 @@ def default_engine():
     return LLM(model, tokenizer, num_kv_blocks=2048)
 
 
-def _first_split_from_greedy(hf, prompt: list[int], ours: list[int], eos: set[int]) -> int | None:
+def _first_split_from_greedy(hf, prompt: list[int], ours: list[int]) -> int | None:
     """Where transformers' greedy path would leave `ours` (None if it would not): `ours` is fed to its forward in one
-    call, teacher-forced, and each of our tokens must be its argmax after the same prefix; and its greedy loop stops
-    where ours does (at an eos, or at max_tokens). By induction on the prefix this is its greedy path, for one forward
-    instead of one per token (HF's loop takes ~4 s a prompt on 2 cores)."""
+    call, teacher-forced, and each of our tokens must be its argmax after the same prefix. With ours stopping where
+    its greedy loop stops (at the first eos, or at max_tokens; the caller checks that), by induction on the prefix
+    this is its greedy path, for one forward instead of one per token (HF's loop takes ~4 s a prompt on 2 cores)."""
     with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 :]  # (len(ours) + 1, V)
+        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]  # (len(ours), V)
     greedy = logits.argmax(-1).tolist()
-    for i, token in enumerate(ours):
-        if greedy[i] != token:
-            return i
-        if token in eos and i + 1 < len(ours):
-            return i + 1  # its loop would have stopped at this eos; ours went on
-    return None
+    return next((i for i, token in enumerate(ours) if greedy[i] != token), None)
 
 
 def _logit_gap(model: Transformer, prefix: list[int]) -> float:
@@ -409,7 +404,8 @@ def test_default_model_greedy_matches_transformers(default_engine: LLM) -> None:
         for ours in (a, b):
             assert 0 < len(ours) <= 64
             assert len(ours) == 64 or ours[-1] in eos, "stopped before max_tokens without an eos"
-            split = _first_split_from_greedy(hf, prompt, ours, eos)
+            assert not eos & set(ours[:-1]), "went on past an eos"
+            split = _first_split_from_greedy(hf, prompt, ours)
             if split is not None:
                 gap = _logit_gap(llm.engine.model, prompt + ours[:split])
                 assert gap < 1e-4, f"greedy paths split at a logit gap of {gap} (not a near-tie)"
