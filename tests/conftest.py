@@ -11,7 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# OpenMP's idle threads sleep instead of spinning (set before torch loads libgomp, which reads it once; the ranks
+# and CLI runs the tests launch inherit it). The suite runs on 2 cores, where the pytest process's 2 intra-op
+# threads share them with torchrun's ranks, subprocess CLI runs and whatever else the machine runs: a thread
+# spinning at the end of each parallel region (libgomp's default) takes the core another thread is waiting for,
+# and a tiny model's decode loop, thousands of short parallel regions, then ran 3-30x slower (the same result).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # lets tests import `tests.hf_oracle`
