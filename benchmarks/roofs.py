@@ -1,5 +1,7 @@
 """The machine's roofs, measured in the run that quotes fractions of them: memory bandwidth and matmul GFLOP/s.
 
+    .venv/bin/python benchmarks/roofs.py --threads 2          # one JSON line: both roofs on 2 threads
+
     import roofs
     gbs = roofs.memory_bandwidth_gbs(threads=2)             # GB/s (1e9 bytes) a weight stream reads at
     gflops = roofs.matmul_gflops("bfloat16", threads=2)     # GFLOP/s of a (2048, 2048) @ (2048, 2048) matmul
@@ -21,6 +23,8 @@ the figures it divides, under the same load.
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -91,3 +95,16 @@ def measure(threads: int) -> dict[str, object]:
         "bandwidth_gbs": round(memory_bandwidth_gbs(threads), 2),
         "matmul_gflops": {dtype: round(matmul_gflops(dtype, threads), 1) for dtype in DTYPES},
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the probes (default: torch's)")
+    args = parser.parse_args(argv)
+    import torch
+
+    print(json.dumps({"benchmark": "roofs", **measure(args.threads or torch.get_num_threads())}))
+
+
+if __name__ == "__main__":
+    main()
