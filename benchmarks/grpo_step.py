@@ -6,23 +6,28 @@ temperature 1, beta 0 (no reference model), one optimizer step per rollout, Adam
 `grpo` loss (per-sequence token mean), the `numeric_match` reward. TRL runs offline from the local HF
 directory of the default model and an in-memory `datasets.Dataset`.
 
-The two run alternately in one process (a posttrain step after each TRL step, outside TRL's timing),
-so that both see the same load on a shared machine. Prints per-step times, then one JSON line:
-    {"posttrain_s": median step, "trl_s": median step, "speedup": trl_s / posttrain_s, ...}
+The two run alternately in one process, outside each other's timing: posttrain's steps after TRL's in odd
+steps, before it in even ones, so that both see the same load on a shared machine and neither always goes
+first. Prints per-step times, then one JSON line:
+    {"posttrain_s": median step, "trl_s": median step, "speedup": trl_s / posttrain_s, "per_step": {...}, ...}
 with the median process CPU seconds per step too (`*_cpu_s`, `speedup_cpu`): on a shared machine
-they say more about the code than wall time does.
+they say more about the code than wall time does. `per_step` and `per_step_full` are the medians and the spread
+of the per-step ratios (benchmarks/alternation.py; above 1: posttrain faster).
 
 posttrain runs twice side by side: with its defaults (`posttrain_s`: groups whose advantages are all
 zero are left out of the update, which does not change the weights) and with that skip turned off
 (`posttrain_full_s`, `speedup_full`: every sample through the update, as TRL does), so the
 ratio with the same work per step is reported too.
 
-Precision: posttrain runs `model.dtype` = --dtype (default `auto`, what a user gets: fp32 on a CPU without fast
-bf16; on one with AVX512-BF16 / AMX, bf16 rollouts and a bf16-autocast update over fp32 master weights); TRL runs
-fp32 (its CPU default), or bf16 autocast with --trl-bf16 (TRL's `bf16=True`; its generation then runs in bf16 too).
-The JSON names both (`posttrain_dtype`, `trl_dtype`).
+Precision is the same on both sides (benchmarks/matching.py): --precision fp32 (default) runs posttrain with
+`model.dtype: float32` (fp32 rollouts and update) and TRL in fp32 (its CPU default); --precision bf16 runs
+posttrain with `model.dtype: auto` on a CPU with fast bf16 (bf16 rollouts, bf16-autocast update over fp32 master
+weights) and TRL with `bf16=True` (bf16 autocast; its generation then runs in bf16 too). TRL's GRPOConfig turns
+gradient checkpointing on by default; here it is off, as posttrain does not recompute activations either. The
+JSON names each side's compute dtype, threads, checkpointing and versions (`sides`) and the machine
+(`environment`).
 
-    .venv/bin/python benchmarks/grpo_step.py [--steps 4] [--only posttrain|trl] [--dtype auto|float32] [--trl-bf16]
+    .venv/bin/python benchmarks/grpo_step.py [--steps 4] [--only posttrain|trl] [--precision fp32|bf16]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ import time
 from pathlib import Path
 
 import torch
+from alternation import ratio_summary
+from matching import COMPUTE_NAMES, PRECISION_ARGUMENT, posttrain_model_dtype, require_bf16_autocast, side
+from provenance import environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -100,7 +108,8 @@ def posttrain_step(run, times: list[float], cpu_times: list[float], label: str =
 
 
 def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tuple[list[float], list[float]]:  # noqa: ANN001
-    """TRL's GRPOTrainer for `steps` steps; `between_steps()` runs after each step, outside its timing."""
+    """TRL's GRPOTrainer for `steps` steps; `between_steps()` runs after TRL's step in odd steps (1st, 3rd, ...) and
+    before it in even ones, outside its timing."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig as TRLConfig
@@ -122,6 +131,8 @@ def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tu
             self.start = self.cpu_start = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            if between_steps is not None and len(self.times) % 2 == 1:
+                between_steps()
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
@@ -132,7 +143,7 @@ def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tu
                 f"load={load_average()}",
                 flush=True,
             )
-            if between_steps is not None:
+            if between_steps is not None and len(self.times) % 2 == 1:
                 between_steps()
 
     args = TRLConfig(
@@ -150,6 +161,7 @@ def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tu
         shuffle_dataset=False,
         use_cpu=True,
         bf16=bf16,
+        gradient_checkpointing=False,  # GRPOConfig's default is True; posttrain does not recompute either
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -172,6 +184,11 @@ def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tu
     return timer.times, timer.cpu_times
 
 
+def _update_autocast(run) -> torch.dtype | None:  # noqa: ANN001
+    autocast = run.parallel.compute_autocast
+    return autocast[1] if autocast is not None else None
+
+
 def _posttrain_dtypes(run) -> str:  # noqa: ANN001
     """What the run computes in: the engine's dtype, and the update's (autocast over the master weights)."""
     autocast = run.parallel.compute_autocast
@@ -184,23 +201,33 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per framework (median over them; >= 3)")
     parser.add_argument("--only", choices=("posttrain", "trl"), default=None)
-    parser.add_argument("--dtype", choices=("auto", "float32"), default="auto", help="posttrain's model.dtype")
-    parser.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (autocast), not fp32")
-    args = parser.parse_args()
+    parser.add_argument("--precision", **PRECISION_ARGUMENT)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be >= 3 (the median of fewer is not a step time)")
-    result: dict[str, object] = {"threads": torch.get_num_threads(), "load_before": load_average()}
+    threads = torch.get_num_threads()
+    compute = COMPUTE_NAMES[args.precision]
+    result: dict[str, object] = {"benchmark": "grpo_step", "precision": args.precision, "load_before": load_average()}
+    result["sides"] = {"posttrain": side(compute, threads), "trl": side(compute, threads, ("transformers", "trl"))}
     # label -> (step times, CPU times); "posttrain" with its defaults, "posttrain_full" computing every group
     ours: dict[str, tuple[list[float], list[float]]] = {"posttrain": ([], []), "posttrain_full": ([], [])}
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         if args.only != "trl":
-            runs = {label: setup_posttrain(Path(tmp) / label, label == "posttrain", args.dtype) for label in ours}
-            result["posttrain_dtype"] = _posttrain_dtypes(next(iter(runs.values())))
+            dtype = posttrain_model_dtype(args.precision)
+            runs = {label: setup_posttrain(Path(tmp) / label, label == "posttrain", dtype) for label in ours}
+            first = next(iter(runs.values()))
+            require_bf16_autocast(args.precision, _update_autocast(first))
+            result["posttrain_dtype"] = _posttrain_dtypes(first)
 
         def posttrain_steps() -> None:
             for label, run in runs.items():
@@ -211,8 +238,9 @@ def main() -> None:
                 posttrain_steps()
         else:
             # Alternate the frameworks (posttrain steps after each TRL step) so all see the same machine load.
-            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", posttrain_steps if runs else None, args.trl_bf16)
-            result["trl_dtype"] = "bfloat16 autocast" if args.trl_bf16 else "float32"
+            bf16 = args.precision == "bf16"
+            trl, trl_cpu = run_trl(args.steps, Path(tmp) / "trl", posttrain_steps if runs else None, bf16)
+            result["trl_dtype"] = "bfloat16 autocast" if bf16 else "float32"
             result["trl_s"] = round(statistics.median(trl), 2)
             result["trl_steps_s"] = [round(t, 2) for t in trl]
             result["trl_cpu_s"] = round(statistics.median(trl_cpu), 2)
@@ -227,6 +255,13 @@ def main() -> None:
             result[f"speedup{suffix}"] = round(result["trl_s"] / result[f"{label}_s"], 2)
             # process CPU seconds per step: less sensitive to what else the machine runs than wall time
             result[f"speedup{suffix}_cpu"] = round(result["trl_cpu_s"] / result[f"{label}_cpu_s"], 2)
+            # per-step ratios: step k of each side draws the same prompts
+            result[f"per_step{suffix}"] = ratio_summary(ours[label][0], trl, higher_is_better=False, digits=2)
+    else:
+        for name in ("posttrain", "trl"):
+            if args.only == name:
+                del result["sides"]["trl" if name == "posttrain" else "posttrain"]
+    result["environment"] = environment()
     result["load_after"] = load_average()
     print(json.dumps(result))
 

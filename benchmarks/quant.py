@@ -3,15 +3,21 @@
     .venv/bin/python benchmarks/quant.py                          # all schemes, 8 prompts, 32 new tokens
     .venv/bin/python benchmarks/quant.py --schemes int8 int4-g128 --batch 4 --max-tokens 16 --rounds 2
     .venv/bin/python benchmarks/quant.py --schemes --inference int8 q8_0 --batch 1 --max-tokens 128   # --quant
+    .venv/bin/python benchmarks/quant.py --schemes int8 --compute-dtype bfloat16      # baseline: bf16 compute
 
 Every variant is the same fp32 model (default: the embedded SmolLM2-135M) quantized in memory, served by the
 rollout engine (`posttrain.engine.LLM` over the live module, greedy, EOS ignored, prefix cache off), or with
 --runner loop by a plain batched greedy loop that calls `model(ids)` on the whole sequence each step.
+The baseline `fp32` computes in fp32: the engine runs with --compute-dtype float32 (the default here; the
+engine's own default `auto` would compute the fp32 weights in bf16 on a CPU with fast bf16). --compute-dtype
+bfloat16 or auto gives every variant that engine setting instead, and the baseline is then named for what it
+computes (`fp32 weights, bfloat16 compute`); the JSON names each variant's resolved compute dtype.
 
 Decode tokens/s isolates the decode steps: each round generates 1 token and then --max-tokens tokens from
 the same prompts, and decode rate = batch x (max_tokens - 1) / (t(max_tokens) - t(1)). Variants run
-interleaved, round after round, and the best round of each counts (the machine is shared and noisy:
-quote the ratios). Besides the schemes (default kernels, see posttrain/quant/linear.py), two variants of
+interleaved, round after round, in reversed order every other round (benchmarks/alternation.py); each variant
+reports its median rate and the median, min and max of its per-round ratio to the baseline (the machine is
+shared and noisy: quote the ratios). Besides the schemes (default kernels, see posttrain/quant/linear.py), two variants of
 int4-g128 show the alternatives measured for the forward: `/reference` dequantizes the weight on every
 call, `/cached-fp32` keeps the dequantized fp32 weight resident (fp32 speed at fp32 memory).
 --inference adds the inference commands' `--quant` modes (posttrain/quant/inference.py: q8_0 rounds the LM head
@@ -25,11 +31,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from alternation import alternate, ratio_summary
+from provenance import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,13 +80,14 @@ def load_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 class EngineRunner:
-    def __init__(self, model, tokenizer, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(self, model, tokenizer, prompts: list[list[int]], max_tokens: int, compute_dtype: str) -> None:
         from posttrain.engine import LLM, SamplingParams
 
         blocks = len(prompts) * (-(-(max(map(len, prompts)) + max_tokens) // 16) + 1) + 8
-        self.llm = LLM(model, tokenizer, num_kv_blocks=blocks, enable_prefix_caching=False)
+        self.llm = LLM(model, tokenizer, num_kv_blocks=blocks, enable_prefix_caching=False, compute_dtype=compute_dtype)
         self.prompts = prompts
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        self.compute = str(self.llm.compute_dtype).removeprefix("torch.")
 
     def generate(self, max_tokens: int) -> list[list[int]]:
         outputs = self.llm.generate(self.prompts, self.params(max_tokens))
@@ -87,8 +97,9 @@ class EngineRunner:
 class LoopRunner:
     """Batched greedy decoding without a KV cache: left-padded prompts, `model(ids)` over everything each step."""
 
-    def __init__(self, model, tokenizer, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(self, model, tokenizer, prompts: list[list[int]], max_tokens: int, compute_dtype: str) -> None:
         self.model, self.prompts = model, prompts
+        self.compute = "float32"  # the module's own forward: fp32 weights and activations, no autocast
 
     @torch.no_grad()
     def generate(self, max_tokens: int) -> list[list[int]]:
@@ -126,59 +137,107 @@ def greedy_match(tokens: list[list[int]], reference: list[list[int]]) -> float:
     return same / sum(map(len, reference))
 
 
-def main() -> None:
+def baseline_name(compute: str) -> str:
+    """The fp32 model's label: `fp32` where it computes in fp32, else named for what it computes."""
+    return "fp32" if compute == "float32" else f"fp32 weights, {compute} compute"
+
+
+def decode_rate(batch: int, max_tokens: int, seconds_one: float, seconds_all: float) -> float:
+    """Decode tokens/s: the (max_tokens - 1) tokens after the first, over the time they added."""
+    return batch * (max_tokens - 1) / (seconds_all - seconds_one)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
     parser.add_argument("--inference", nargs="*", default=[], choices=list(INFERENCE_SCHEMES), help="--quant modes")
     parser.add_argument("--batch", type=int, default=8, help="prompts decoded together")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each variant counts")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 2); medians over them")
     parser.add_argument("--runner", choices=list(RUNNERS), default="engine")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default="float32",
+        help="the engine's EngineConfig.compute_dtype for every variant (default float32: an fp32 baseline)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (each variant goes first and last at least once)")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2 (decode rate counts the tokens after the first)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
     prompts = load_prompts(tokenizer, args.batch)
     variants = build_variants(model, args.schemes, args.inference)
-    runners = {name: RUNNERS[args.runner](m, tokenizer, prompts, args.max_tokens) for name, m in variants.items()}
-    best = {name: float("inf") for name in variants}
+    runners = {
+        name: RUNNERS[args.runner](m, tokenizer, prompts, args.max_tokens, args.compute_dtype)
+        for name, m in variants.items()
+    }
     tokens: dict[str, list[list[int]]] = {}
     for runner in runners.values():  # warm-up (and builds the kernels' caches)
         runner.generate(2)
-    for r in range(args.rounds):
-        for name, runner in runners.items():
+
+    def measure(name: str):
+        def once() -> float:
+            runner = runners[name]
             start = time.perf_counter()
             runner.generate(1)
             first = time.perf_counter() - start
             start = time.perf_counter()
             tokens[name] = runner.generate(args.max_tokens)
-            best[name] = min(best[name], time.perf_counter() - start - first)
-            log(f"round {r}: {name:<22} {args.batch * (args.max_tokens - 1) / best[name]:8.1f} decode tok/s")
-    rate = {name: args.batch * (args.max_tokens - 1) / seconds for name, seconds in best.items()}
+            return decode_rate(args.batch, args.max_tokens, first, first + time.perf_counter() - start)
+
+        return once
+
+    rates = alternate({name: measure(name) for name in variants}, args.rounds)
     fp32_bytes = tensor_bytes(variants["fp32"])
+    baseline = baseline_name(runners["fp32"].compute)
+    variant_figures = {}
+    for name, m in variants.items():
+        if name == "fp32":
+            continue
+        summary = ratio_summary(rates[name], rates["fp32"], higher_is_better=True)
+        variant_figures[name] = {
+            "decode_tok_s": summary["ours_median"],
+            "ratio_vs_fp32": summary["ratio_median"],
+            "ratio_min": summary["ratio_min"],
+            "ratio_max": summary["ratio_max"],
+            "rounds_tok_s": summary["ours_rounds"],
+            "compute": runners[name].compute,
+            "weights_bytes": tensor_bytes(m),
+            "bytes_ratio_vs_fp32": round(tensor_bytes(m) / fp32_bytes, 3),
+            "greedy_match": round(greedy_match(tokens[name], tokens["fp32"]), 3),
+        }
     result = {
         "benchmark": "quant_decode",
         "model": args.model,
         "runner": args.runner,
         "batch": args.batch,
         "new_tokens": args.max_tokens,
+        "rounds": args.rounds,
         "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
         "threads": torch.get_num_threads(),
-        "fp32": {"decode_tok_s": round(rate["fp32"], 1), "weights_bytes": fp32_bytes},
-        "variants": {
-            name: {
-                "decode_tok_s": round(rate[name], 1),
-                "ratio_vs_fp32": round(rate[name] / rate["fp32"], 3),
-                "weights_bytes": tensor_bytes(m),
-                "bytes_ratio_vs_fp32": round(tensor_bytes(m) / fp32_bytes, 3),
-                "greedy_match": round(greedy_match(tokens[name], tokens["fp32"]), 3),
-            }
-            for name, m in variants.items()
-            if name != "fp32"
+        "engine_compute_dtype": args.compute_dtype if args.runner == "engine" else None,
+        "fp32": {
+            "name": baseline,
+            "weights": "float32",
+            "compute": runners["fp32"].compute,
+            "decode_tok_s": round(statistics.median(rates["fp32"]), 3),
+            "rounds_tok_s": [round(r, 3) for r in rates["fp32"]],
+            "weights_bytes": fp32_bytes,
         },
+        "variants": variant_figures,
+        "environment": environment(),
     }
     print(json.dumps(result))
 

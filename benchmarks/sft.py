@@ -1,20 +1,26 @@
 """SFT throughput: posttrain's SFT step against TRL's `SFTTrainer`, same data, same settings, one run.
 
-Both train the default model (SmolLM2-135M-Instruct, fp32) on the same GSM8K rows as conversational
+Both train the default model (SmolLM2-135M-Instruct) on the same GSM8K rows as conversational
 prompt/completion pairs (question -> user turn, answer -> assistant turn), completion-only loss, no
 packing, the same batches in the same order, AdamW lr 1e-5 constant, clipping at 1.0, no gradient
-checkpointing (TRL's default turns it on; that would only slow TRL down). The benchmark checks that
-both tokenize every row to the same ids.
+checkpointing on either side. The benchmark checks that both tokenize every row to the same ids.
 
-The two alternate step by step: a TRL callback times each `SFTTrainer` step and then runs
-posttrain's step on the same batch (`start_sft(cfg).step`, the step `train_sft` runs), so load from
-other processes on a shared machine falls on both alike. The first step of each is a warm-up and is
-not timed. Throughput is real (non-padding) tokens per second of training step (forward, backward,
-clipping, optimizer), summed over the timed steps; `cpu_time_ratio` is the same ratio in process
-CPU time, steadier than wall time on a busy machine.
+Precision is the same on both sides (benchmarks/matching.py): --precision fp32 (default) runs posttrain with
+`model.dtype: float32` and TRL in fp32; --precision bf16 runs both with fp32 master weights and bf16 autocast
+(posttrain `model.dtype: auto` on a CPU with fast bf16, TRL `bf16=True`). The JSON line names each side's
+compute dtype, threads, checkpointing and versions (`sides`), and the machine (`environment`).
+
+The two alternate step by step on the same batch (`start_sft(cfg).step`, the step `train_sft` runs, called
+from a TRL callback): TRL then posttrain in even steps, posttrain then TRL in odd ones, so load from other
+processes on a shared machine falls on both alike and neither always goes first. The first step of each is a
+warm-up and is not timed. Throughput is real (non-padding) tokens per second of training step (forward,
+backward, clipping, optimizer), summed over the timed steps (`ratio`); `per_step` holds the medians of the
+per-step rates and the spread of the per-step ratios (benchmarks/alternation.py); `cpu_time_ratio` is the
+summed ratio in process CPU time, steadier than wall time on a busy machine.
 
     python benchmarks/sft.py                      # defaults below; prints one JSON line at the end
     python benchmarks/sft.py --batch 4 --steps 4 --threads 1
+    python benchmarks/sft.py --precision bf16
 """
 
 from __future__ import annotations
@@ -29,22 +35,29 @@ import time
 from pathlib import Path
 
 import torch
+from alternation import ratio_summary
+from matching import COMPUTE_NAMES, PRECISION_ARGUMENT, posttrain_model_dtype, require_bf16_autocast, side
+from provenance import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "examples" / "data" / "gsm8k" / "train.jsonl"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--data", default=str(GSM8K))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps, >= 2 (after one warm-up step)")
+    parser.add_argument("--precision", **PRECISION_ARGUMENT)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (each side goes first at least once)")
+    return args
 
 
 def load_rows(path: Path, count: int) -> list[dict]:
@@ -134,7 +147,7 @@ def main() -> int:
         train_sampling_strategy="sequential",
         shuffle_dataset=False,
         pad_to_multiple_of=None,
-        bf16=False,
+        bf16=args.precision == "bf16",
         fp16=False,
         use_cpu=True,
         save_strategy="no",
@@ -160,23 +173,32 @@ def main() -> int:
             "optim.weight_decay=0.0",
             "optim.max_grad_norm=1.0",
             "train.progress=false",
+            f"model.dtype={posttrain_model_dtype(args.precision)}",
             f"out={work / 'ours'}",
         ],
     )
     session = start_sft(ours_cfg)
+    require_bf16_autocast(args.precision, session_autocast(session))
     times: dict[str, list[float]] = {"posttrain": [], "trl": []}
     cpu_times: dict[str, list[float]] = {"posttrain": [], "trl": []}
     ours_losses: list[float] = []
 
     class Interleave(transformers.TrainerCallback):
-        """Times each TRL step, then runs (and times) posttrain's step on the same batch."""
+        """Times each TRL step and runs (and times) posttrain's step on the same batch: after TRL's in even steps,
+        before it in odd ones."""
 
         def on_step_begin(self, *a, **k):
+            if len(times["trl"]) % 2 == 1:
+                self.posttrain_step()
             self.wall, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             times["trl"].append(time.perf_counter() - self.wall)
             cpu_times["trl"].append(time.process_time() - self.cpu)
+            if len(times["trl"]) % 2 == 1:
+                self.posttrain_step()
+
+        def posttrain_step(self) -> None:
             index = len(times["posttrain"])
             wall, cpu = time.perf_counter(), time.process_time()
             record = session.step(index)
@@ -205,30 +227,48 @@ def main() -> int:
     timed_tokens = sum(step_tokens[1:])
     rate = {side: timed_tokens / sum(t[1:]) for side, t in times.items()}
     cpu_rate = {side: timed_tokens / sum(t[1:]) for side, t in cpu_times.items()}
-    print(
-        json.dumps(
-            {
-                "benchmark": "sft",
-                "model": args.model,
-                "batch": args.batch,
-                "max_length": args.max_length,
-                "timed_steps_each": args.steps,
-                "tokens_per_step": round(timed_tokens / args.steps, 1),
-                "padded_tokens_per_step": round(sum(padded_tokens[1:]) / args.steps, 1),
-                "threads": torch.get_num_threads(),
-                "identical_token_ids": identical,
-                "first_step_loss": {
-                    "posttrain": round(ours_losses[0], 5),
-                    "trl": round(trl_losses[0], 5) if trl_losses else None,
-                },
-                "posttrain_tokens_per_s": round(rate["posttrain"], 2),
-                "trl_tokens_per_s": round(rate["trl"], 2),
-                "ratio": round(rate["posttrain"] / rate["trl"], 3),
-                "cpu_time_ratio": round(cpu_rate["posttrain"] / cpu_rate["trl"], 3),
-            }
-        )
-    )
+    threads = torch.get_num_threads()
+    compute = COMPUTE_NAMES[args.precision]
+    result = {
+        "benchmark": "sft",
+        "model": args.model,
+        "precision": args.precision,
+        "batch": args.batch,
+        "max_length": args.max_length,
+        "timed_steps_each": args.steps,
+        "tokens_per_step": round(timed_tokens / args.steps, 1),
+        "padded_tokens_per_step": round(sum(padded_tokens[1:]) / args.steps, 1),
+        "identical_token_ids": identical,
+        "first_step_loss": {
+            "posttrain": round(ours_losses[0], 5),
+            "trl": round(trl_losses[0], 5) if trl_losses else None,
+        },
+        "posttrain_tokens_per_s": round(rate["posttrain"], 2),
+        "trl_tokens_per_s": round(rate["trl"], 2),
+        "ratio": round(rate["posttrain"] / rate["trl"], 3),
+        "cpu_time_ratio": round(cpu_rate["posttrain"] / cpu_rate["trl"], 3),
+        "per_step": per_step_rates(step_tokens[1:], times["posttrain"][1:], times["trl"][1:]),
+        "sides": {
+            "posttrain": side(compute, threads),
+            "trl": side(compute, threads, ("transformers", "trl")),
+        },
+        "environment": environment(),
+    }
+    print(json.dumps(result))
     return 0
+
+
+def per_step_rates(tokens: list[int], ours_s: list[float], theirs_s: list[float]) -> dict:
+    """Tokens/s of each timed step on each side (the same batch on both), summarized as medians and ratio spread."""
+    ours = [n / t for n, t in zip(tokens, ours_s, strict=True)]
+    theirs = [n / t for n, t in zip(tokens, theirs_s, strict=True)]
+    return ratio_summary(ours, theirs, higher_is_better=True)
+
+
+def session_autocast(session) -> torch.dtype | None:  # noqa: ANN001
+    """The dtype posttrain's training forwards autocast to (None: the weights' own dtype)."""
+    autocast = session.parallel.compute_autocast if session.parallel is not None else None
+    return autocast[1] if autocast is not None else None
 
 
 if __name__ == "__main__":
