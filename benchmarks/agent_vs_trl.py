@@ -22,8 +22,16 @@ Writes <out>/curves.json and <out>/curves.csv; prints per-step lines, then one J
     {"posttrain": {final figures}, "trl": {final figures}, "accuracy_ratio": ours / TRL, ...}
 
     .venv/bin/python benchmarks/agent_vs_trl.py [--minutes 30] [--eval-size 200] [--points 6] [--only trl]
+        [--precision fp32|bf16]
     .venv/bin/python benchmarks/agent_vs_trl.py --minutes 2 --eval-size 20 --points 1     # smoke run
     .venv/bin/python benchmarks/agent_vs_trl.py --dry-run     # the commands and settings, no compute
+
+Precision is the same on both sides (benchmarks/matching.py): --precision fp32 (default) trains posttrain with
+`model.dtype: float32` and TRL in fp32 (its CPU default); --precision bf16 trains posttrain with `model.dtype:
+auto` on a CPU with fast bf16 (bf16-autocast update over fp32 master weights) and TRL with `bf16=True` (the
+same), and is refused on a CPU without fast bf16. Neither side recomputes activations (TRL's GRPOConfig turns
+gradient checkpointing on by default; it is turned off here). Every snapshot of both sides is evaluated by the
+same command, so the evaluation's precision is the same for both curves.
 
 Timings on a shared machine are inflated by the other processes: the per-step lines carry process CPU
 seconds too.
@@ -43,6 +51,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # matching, provenance: also when this file is imported by path
+
+from matching import COMPUTE_NAMES, PRECISION_ARGUMENT, posttrain_model_dtype, require_bf16_autocast  # noqa: E402
+from matching import side as side_settings  # noqa: E402
 
 CONFIG = ROOT / "examples" / "agent_calculator.yaml"
 SFT_CONFIG = ROOT / "examples" / "agent_calculator_sft.yaml"
@@ -60,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "agent_vs_trl", help="snapshots and curves")
     parser.add_argument("--only", choices=SIDES, default=None, help="train one side only")
+    parser.add_argument("--precision", **PRECISION_ARGUMENT)
     parser.add_argument("--dry-run", action="store_true", help="print the settings and commands, run nothing")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
@@ -135,8 +148,11 @@ def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any
 
     out = args.out / "posttrain"
     overrides = [f"model.name_or_path={start}", f"out={out}", "data.eval_size=0", "log.progress=false"]
+    overrides.append(f"model.dtype={posttrain_model_dtype(args.precision)}")
     cfg = load_config(GRPOConfig, CONFIG, overrides + ["kl.beta=0.0"])
     run = setup_run(cfg, "grpo")
+    autocast = run.parallel.compute_autocast
+    require_bf16_autocast(args.precision, autocast[1] if autocast is not None else None)
     snapshots = Snapshots(out, args.minutes, args.points)
     trained_s, step = 0.0, 0
     try:
@@ -254,7 +270,8 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
         loss_type="grpo",
         max_steps=1_000_000,  # the clock stops it
         use_cpu=True,
-        bf16=False,
+        bf16=args.precision == "bf16",  # autocast over the fp32 weights, as posttrain's model.dtype=auto
+        gradient_checkpointing=False,  # GRPOConfig's default is True; posttrain does not recompute either
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -308,7 +325,13 @@ def write_curves(out: Path, curves: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def summary(curves: dict[str, list[dict[str, Any]]], start: Path, args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"minutes": args.minutes, "eval_size": args.eval_size, "start": str(start)}
+    result: dict[str, Any] = {
+        "minutes": args.minutes,
+        "eval_size": args.eval_size,
+        "start": str(start),
+        "precision": args.precision,
+        "sides": sides_record(args.precision, list(curves)),
+    }
     for side, points in curves.items():
         result[side] = {key: points[-1].get(key) for key in ("minutes", "step", "accuracy", "tool_calls_per_episode")}
     ours, theirs = (result.get(side, {}).get("accuracy") for side in SIDES)
@@ -316,6 +339,18 @@ def summary(curves: dict[str, list[dict[str, Any]]], start: Path, args: argparse
         result["accuracy_ratio"] = round(ours / theirs, 3) if theirs else None
     result["load_after"] = load_average()
     return result
+
+
+def sides_record(precision: str, sides: list[str]) -> dict[str, dict[str, object]]:
+    """Each trained side's compute dtype, threads, recomputation and package versions, for the JSON line."""
+    import torch
+
+    packages = {"posttrain": ("posttrain",), "trl": ("transformers", "trl")}
+    return {
+        name: side_settings(COMPUTE_NAMES[precision], torch.get_num_threads(), packages[name])
+        for name in sides
+        if name in SIDES
+    }
 
 
 def load_average() -> list[float]:
@@ -330,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         plan = {
             "settings": settings,
             "sides": sides,
+            "precision": args.precision,
+            "posttrain_model_dtype": posttrain_model_dtype(args.precision),
             "start": str(args.start),
             "cold_start": None if (args.start / "config.json").is_file() else posttrain_command("sft", str(SFT_CONFIG)),
             "snapshot_every_min": args.minutes / args.points,

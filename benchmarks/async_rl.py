@@ -1,10 +1,11 @@
 """Asynchronous RL against sync, same wall time each: steps per hour and held-out accuracy at the end.
 
-The demo configuration (`posttrain grpo`: SmolLM2-135M-Instruct, fp32, the arithmetic task, 8 prompts x 8
-samples) is trained `--minutes` of wall time (the run's `train.max_minutes`) three times, one after the other in
-this process: `rollout.mode=sync`, then `rollout.mode=async` with `rollout.max_staleness` 1 and 2. Every run seeds
-its prompts (`rollout.seed_prompts`), skips the held-out evaluation before training (the runs differ only in how
-they train) and ends with the held-out greedy evaluation of the demo (100 problems).
+The demo configuration (`posttrain grpo`: SmolLM2-135M-Instruct at `model.dtype: auto`, which is bf16 on a CPU
+with fast bf16 and fp32 otherwise, the same for every run; `--set model.dtype=float32` pins it; the arithmetic
+task, 8 prompts x 8 samples) is trained `--minutes` of wall time (the run's `train.max_minutes`) three times, one
+after the other in this process: `rollout.mode=sync`, then `rollout.mode=async` with `rollout.max_staleness` 1
+and 2. Every run seeds its prompts (`rollout.seed_prompts`), skips the held-out evaluation before training (the
+runs differ only in how they train) and ends with the held-out greedy evaluation of the demo (100 problems).
 
 Two cases (`--cases`):
   plain        the task's reward (numeric_match)

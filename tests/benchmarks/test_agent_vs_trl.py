@@ -28,12 +28,14 @@ def bench():
 def test_options_and_their_bounds(bench, capsys: pytest.CaptureFixture[str]) -> None:
     args = bench.parse_args([])
     assert (args.minutes, args.eval_size, args.points, args.only) == (30.0, 200, 6, None)
+    assert args.precision == "fp32"  # both sides in fp32 unless asked otherwise
     args = bench.parse_args(["--minutes", "2", "--eval-size", "20", "--points", "1", "--only", "trl"])
     assert (args.minutes, args.eval_size, args.points, args.only) == (2.0, 20, 1, "trl")
     for bad, named in (
         (["--minutes", "0"], "--minutes"),
         (["--eval-size", "201"], "--eval-size"),
         (["--points", "0"], "--points"),
+        (["--precision", "fp16"], "--precision"),
     ):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
@@ -51,6 +53,13 @@ def test_dry_run_takes_the_example_config(bench, tmp_path: Path, capsys: pytest.
     assert plan["sides"] == ["posttrain", "trl"] and plan["snapshot_every_min"] == 3.0
     assert plan["cold_start"][-2:] == ["sft", str(bench.SFT_CONFIG)]  # no start checkpoint: the SFT config runs first
     assert plan["eval"][plan["eval"].index("--num") + 1] == "20"
+    assert (plan["precision"], plan["posttrain_model_dtype"]) == ("fp32", "float32")
+
+
+def test_dry_run_bf16_trains_posttrain_under_autocast(bench, tmp_path: Path, capsys) -> None:
+    bench.main(["--dry-run", "--precision", "bf16", "--start", str(tmp_path / "none")])
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (plan["precision"], plan["posttrain_model_dtype"]) == ("bf16", "auto")  # as TRL's bf16=True
 
 
 def test_trl_reward_is_the_environments(bench) -> None:
@@ -104,3 +113,8 @@ def test_curves_and_summary(bench, tmp_path: Path) -> None:
     result = bench.summary(curves, tmp_path, bench.parse_args(["--minutes", "2", "--eval-size", "20"]))
     assert result["posttrain"]["accuracy"] == 0.9 and result["trl"]["step"] == 3
     assert result["accuracy_ratio"] == 1.5
+    assert result["precision"] == "fp32" and set(result["sides"]) == {"posttrain", "trl"}
+    assert all(
+        entry["compute"] == "float32" and not entry["gradient_checkpointing"] for entry in result["sides"].values()
+    )
+    assert "trl" in result["sides"]["trl"]["versions"] and "posttrain" in result["sides"]["posttrain"]["versions"]
