@@ -53,8 +53,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # matching, provenance: also when this file is imported by path
 
-from matching import COMPUTE_NAMES, PRECISION_ARGUMENT, posttrain_model_dtype, require_bf16_autocast  # noqa: E402
-from matching import side as side_settings  # noqa: E402
+from matching import (  # noqa: E402
+    COMPUTE_NAMES,
+    PRECISION_ARGUMENT,
+    posttrain_model_dtype,
+    require_bf16_autocast,
+    update_autocast,
+)
+from matching import side as side_settings  # noqa: E402  (`side` is a loop variable below)
 
 CONFIG = ROOT / "examples" / "agent_calculator.yaml"
 SFT_CONFIG = ROOT / "examples" / "agent_calculator_sft.yaml"
@@ -151,8 +157,7 @@ def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any
     overrides.append(f"model.dtype={posttrain_model_dtype(args.precision)}")
     cfg = load_config(GRPOConfig, CONFIG, overrides + ["kl.beta=0.0"])
     run = setup_run(cfg, "grpo")
-    autocast = run.parallel.compute_autocast
-    require_bf16_autocast(args.precision, autocast[1] if autocast is not None else None)
+    require_bf16_autocast(args.precision, update_autocast(run))
     snapshots = Snapshots(out, args.minutes, args.points)
     trained_s, step = 0.0, 0
     try:
@@ -346,11 +351,7 @@ def sides_record(precision: str, sides: list[str]) -> dict[str, dict[str, object
     import torch
 
     packages = {"posttrain": ("posttrain",), "trl": ("transformers", "trl")}
-    return {
-        name: side_settings(COMPUTE_NAMES[precision], torch.get_num_threads(), packages[name])
-        for name in sides
-        if name in SIDES
-    }
+    return {name: side_settings(COMPUTE_NAMES[precision], torch.get_num_threads(), packages[name]) for name in sides}
 
 
 def load_average() -> list[float]:

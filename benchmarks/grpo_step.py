@@ -43,7 +43,14 @@ from pathlib import Path
 
 import torch
 from alternation import ratio_summary
-from matching import COMPUTE_NAMES, PRECISION_ARGUMENT, posttrain_model_dtype, require_bf16_autocast, side
+from matching import (
+    COMPUTE_NAMES,
+    PRECISION_ARGUMENT,
+    posttrain_model_dtype,
+    require_bf16_autocast,
+    side,
+    update_autocast,
+)
 from provenance import environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -184,15 +191,9 @@ def run_trl(steps: int, out: Path, between_steps=None, bf16: bool = False) -> tu
     return timer.times, timer.cpu_times
 
 
-def _update_autocast(run) -> torch.dtype | None:  # noqa: ANN001
-    autocast = run.parallel.compute_autocast
-    return autocast[1] if autocast is not None else None
-
-
 def _posttrain_dtypes(run) -> str:  # noqa: ANN001
     """What the run computes in: the engine's dtype, and the update's (autocast over the master weights)."""
-    autocast = run.parallel.compute_autocast
-    update = autocast[1] if autocast is not None else run.model.dtype
+    update = update_autocast(run) or run.model.dtype
     rollout = str(run.llm.compute_dtype).removeprefix("torch.")
     return f"rollout {rollout}, update {str(update).removeprefix('torch.')}"
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype = posttrain_model_dtype(args.precision)
             runs = {label: setup_posttrain(Path(tmp) / label, label == "posttrain", dtype) for label in ours}
             first = next(iter(runs.values()))
-            require_bf16_autocast(args.precision, _update_autocast(first))
+            require_bf16_autocast(args.precision, update_autocast(first))
             result["posttrain_dtype"] = _posttrain_dtypes(first)
 
         def posttrain_steps() -> None:

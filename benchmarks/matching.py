@@ -37,6 +37,12 @@ def posttrain_model_dtype(precision: str) -> str:
     return "float32" if precision == "fp32" else "auto"
 
 
+def update_autocast(run) -> torch.dtype | None:  # noqa: ANN001
+    """The dtype a posttrain RL run's update autocasts to (None: it computes in the weights' dtype)."""
+    autocast = run.parallel.compute_autocast
+    return autocast[1] if autocast is not None else None
+
+
 def require_bf16_autocast(precision: str, autocast: torch.dtype | None) -> None:
     """Refuses a bf16 pairing whose posttrain side would not autocast to bf16 (a CPU without fast bf16)."""
     if precision == "bf16" and autocast != torch.bfloat16:

@@ -32,6 +32,16 @@ def test_bf16_pairing_refused_where_posttrain_would_compute_fp32() -> None:
         matching.require_bf16_autocast("bf16", None)
 
 
+def test_update_autocast_reads_the_runs_autocast() -> None:
+    from types import SimpleNamespace
+
+    def run(autocast):
+        return SimpleNamespace(parallel=SimpleNamespace(compute_autocast=autocast))
+
+    assert matching.update_autocast(run(("cpu", torch.bfloat16))) == torch.bfloat16
+    assert matching.update_autocast(run(None)) is None  # computes in the weights' dtype
+
+
 def test_side_names_compute_threads_checkpointing_and_versions() -> None:
     entry = matching.side("float32", 2, ("transformers", "trl"))
     assert entry["compute"] == "float32" and entry["threads"] == 2 and entry["gradient_checkpointing"] is False
