@@ -7,11 +7,11 @@ messages (`step`), and may score the whole episode at its end (`episode_reward`)
 - `environment`: the `Environment` protocol, `EnvStep` and the chat `Message` type.
 - `turns`: `ToolCall` and `ParsedTurn`, a model turn after tool-call parsing.
 - `tools`: `Tool` / `as_tool` (schema from a function's signature) and `run_tool_call` (errors as observations).
-- `builtin_tools`: `calculator` (exact arithmetic, no eval) and `python` (the reward sandbox).
+- `builtin_tools`: `calculator` (exact arithmetic, no eval), `calculate` (one operation per call), `python`.
 - `tool_calls`: tool-call parsers by name (`hermes`, for the `chatml_tools` template) or `file.py:function`.
 - `tool_env`: `ToolEnvironment`, the generic one (tools until a turn without a call).
 - `trl_adapter`: TRL's `environment_factory` classes, run unchanged (`TRLEnvironment`).
-- `calculator`, `guess_number`: the built-in environments; `transcripts`: calculator SFT transcripts.
+- `calculator`, `guess_number`, `word_problems`: the built-in environments; `transcripts`: their SFT transcripts.
 - `loading`: `load_environment_factory(name, tools, options)`, built-ins or `file.py:Class` / `module:Class`.
 """
 

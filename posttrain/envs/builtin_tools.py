@@ -1,4 +1,5 @@
-"""Built-in tools: `calculator` (exact arithmetic over a parsed expression) and `python` (the reward sandbox).
+"""Built-in tools: `calculator` (exact arithmetic over a parsed expression), `calculate` (the same, one operation
+per call: chained problems need one call per step) and `python` (the reward sandbox).
 
 Both answer with a string in every case, errors included ("Error: ..."), so the model reads what went wrong.
 """
@@ -98,6 +99,23 @@ def _format(value: int | Decimal) -> str:
     return format(value.normalize(), "f")
 
 
+def calculate(expression: str) -> str:
+    """Compute one arithmetic operation on two numbers and return the result.
+
+    Args:
+        expression: Two numbers and one operator (+ - * / // %), e.g. "347 * 29". One operation per call.
+    """
+    if isinstance(expression, str) and len(expression) <= MAX_EXPRESSION_CHARS:
+        try:
+            tree = ast.parse(expression.strip(), mode="eval")
+        except SyntaxError:
+            tree = None  # the calculator words the error
+        operations = 0 if tree is None else sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
+        if operations > 1:
+            return f"Error: one operation per call ({expression!r} has {operations}); call again for the next step"
+    return calculator(expression)
+
+
 def python(code: str) -> str:
     """Run a Python program in a sandbox and return what it printed (stdout, then stderr).
 
@@ -122,4 +140,4 @@ def python(code: str) -> str:
     return "\n".join(parts) if parts else "(no output)"
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": python}
+BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "calculate": calculate, "python": python}

@@ -2,12 +2,13 @@
 
     calculator                      multiplication with the calculator tool, exact-answer reward (calculator.py)
     guess_number                    higher / lower guessing within a turn budget (guess_number.py)
+    word_problems                   chained word problems, one calculator step per call (word_problems.py)
     tools                           the generic ToolEnvironment over `tools` (tool_env.py)
     path/to/file.py:Class           a class of the user's, from a file or
     package.module:Class            a module: a posttrain Environment (reset / step / episode_reward) or a
                                     TRL environment_factory class (reset, tool methods, get_reward), detected
 
-`tools` entries are built-in tool names (calculator, python) or `path.py:function` / `module:function`; they
+`tools` entries are built-in tool names (calculator, calculate, python) or `path.py:function` / `module:function`; they
 are the generic environment's tools, or tools added to a TRL environment's methods. `options` go to the
 environment's constructor (e.g. {"max_turns": 6} for guess_number, {"system_prompt": ...}). Everything is
 checked here, before any compute; errors name the spec.
@@ -26,6 +27,7 @@ from posttrain.envs.guess_number import GuessNumberEnvironment
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import Tool, as_tools
 from posttrain.envs.trl_adapter import is_trl_environment_class, trl_environment_factory
+from posttrain.envs.word_problems import word_problems_environment
 from posttrain.imports import is_import_spec, load_object
 
 EnvironmentFactory = Callable[[], Environment]
@@ -34,6 +36,7 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "calculator": calculator_environment,
     "guess_number": GuessNumberEnvironment,
     "tools": ToolEnvironment,
+    "word_problems": word_problems_environment,
 }
 _TAKES_TOOLS = {"tools"}  # built-ins whose tools come from the `tools` list
 

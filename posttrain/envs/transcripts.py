@@ -1,4 +1,4 @@
-"""Synthetic tool-use transcripts for the calculator environment: an SFT cold start before agentic RL.
+"""Synthetic tool-use transcripts for the calculator and word_problems environments: SFT cold starts for agentic RL.
 
 Each row is a conversational SFT example that `posttrain sft` trains as is (the `messages` format with a
 `tools` column, rendered by the chat template with its tools, as TRL does):
@@ -13,9 +13,12 @@ Each row is a conversational SFT example that `posttrain sft` trains as is (the 
 
 The conversation is exactly what the calculator environment produces for a model that solves the problem
 (same system prompt, tool result from the real tool, final answer in the format its reward reads). Problems
-come from the multiplication task's training draws (never its held-out pairs).
+come from the task's training draws (never its held-out problems). A word problem's transcript makes one
+`calculate` call per operation, each on the previous call's result (`--operations 2`: only two-step problems,
+a cold start that shows the format but not the longer chains).
 
     python -m posttrain.envs.transcripts --out calculator_sft.jsonl --rows 2000 --seed 0
+    python -m posttrain.envs.transcripts --env word_problems --out wp_sft.jsonl --rows 8 --operations 2
 """
 
 from __future__ import annotations
@@ -26,37 +29,63 @@ import re
 from pathlib import Path
 from typing import Any
 
-from posttrain.envs.builtin_tools import calculator
+from posttrain.envs import word_problems
+from posttrain.envs.builtin_tools import calculate, calculator
 from posttrain.envs.calculator import FINAL_ANSWER, SYSTEM_PROMPT
-from posttrain.envs.tools import as_tool, run_tool_call
+from posttrain.envs.environment import Message
+from posttrain.envs.tools import Tool, as_tool, run_tool_call
 from posttrain.envs.turns import ParsedTurn, ToolCall
 from posttrain.tasks.multiplication import MultiplicationTask
+from posttrain.tasks.word_problems import MAX_OPERATIONS, MIN_OPERATIONS, WordProblemsTask
+from posttrain.tasks.word_problems import apply as apply_operation
 
 _OPERANDS = re.compile(r"(\d+)\D+(\d+)")
+
+
+def solved_episode(
+    row: dict[str, Any], system_prompt: str, tool: Tool, expressions: list[str], answer: str
+) -> dict[str, Any]:
+    """The conversation of a model that calls `tool` once per expression (results from the real tool) and then
+    answers; `answer` is the task's reference, which the last result must equal."""
+    messages: list[Message] = [{"role": "system", "content": system_prompt}, *row["prompt"]]
+    result: Message = {"content": ""}
+    for index, expression in enumerate(expressions):
+        call = ToolCall(name=tool.name, arguments={"expression": expression}, id=f"call_{index}")
+        result, _ = run_tool_call({tool.name: tool}, call)
+        messages += [ParsedTurn(text="", content="", tool_calls=[call]).as_message(), result]
+    if result["content"] != answer:
+        raise AssertionError(f"the tool said {result['content']} for {expressions}, the task says {answer}")
+    messages.append({"role": "assistant", "content": FINAL_ANSWER.format(answer=answer)})
+    return {"messages": messages, "tools": [tool.schema]}
 
 
 def calculator_transcript(row: dict[str, Any], system_prompt: str = SYSTEM_PROMPT) -> dict[str, Any]:
     """The solved episode of one multiplication row (see the module docstring)."""
     question = row["prompt"][-1]["content"]
     a, b = _OPERANDS.search(question).groups()  # type: ignore[union-attr]  # the task's prompts hold both numbers
-    tool = as_tool(calculator)
-    call = ToolCall(name=tool.name, arguments={"expression": f"{a} * {b}"}, id="call_0")
-    result, _ = run_tool_call({tool.name: tool}, call)
-    if result["content"] != row["answer"]:
-        raise AssertionError(f"calculator said {result['content']} for {a} * {b}, the task says {row['answer']}")
-    messages = [
-        {"role": "system", "content": system_prompt},
-        *row["prompt"],
-        ParsedTurn(text="", content="", tool_calls=[call]).as_message(),
-        result,
-        {"role": "assistant", "content": FINAL_ANSWER.format(answer=result["content"])},
-    ]
-    return {"messages": messages, "tools": [tool.schema]}
+    return solved_episode(row, system_prompt, as_tool(calculator), [f"{a} * {b}"], row["answer"])
+
+
+def word_problem_transcript(row: dict[str, Any], system_prompt: str = word_problems.SYSTEM_PROMPT) -> dict[str, Any]:
+    """The solved episode of one word problem: one `calculate` call per operation, on the running result."""
+    expressions, value = [], row["start"]
+    for op, n in row["chain"]:
+        expressions.append(f"{value} {op} {n}")
+        value = apply_operation(value, op, n)
+    return solved_episode(row, system_prompt, as_tool(calculate), expressions, row["answer"])
 
 
 def calculator_transcripts(rows: int, seed: int = 0) -> list[dict[str, Any]]:
     """`rows` solved episodes over fresh training problems of the multiplication task drawn from `seed`."""
     return [calculator_transcript(row) for row in MultiplicationTask(seed=seed).sample(rows)]
+
+
+def word_problem_transcripts(rows: int, seed: int = 0, operations: int | None = None) -> list[dict[str, Any]]:
+    """`rows` solved episodes over training word problems from `seed`; `operations`: only problems of that many."""
+    task, picked = WordProblemsTask(seed=seed), []
+    while len(picked) < rows:
+        picked += [row for row in task.sample(rows) if operations is None or row["operations"] == operations]
+    return [word_problem_transcript(row) for row in picked[:rows]]
 
 
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:
@@ -70,15 +99,26 @@ def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m posttrain.envs.transcripts", description="Write calculator tool-use SFT transcripts (JSONL)."
+        prog="python -m posttrain.envs.transcripts", description="Write tool-use SFT transcripts (JSONL)."
     )
     parser.add_argument("--out", required=True, help="the JSONL file to write")
     parser.add_argument("--rows", type=int, default=1000, help="how many transcripts (default: 1000)")
-    parser.add_argument("--seed", type=int, default=0, help="the multiplication task's seed (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="the task's seed (default: 0)")
+    parser.add_argument("--env", choices=("calculator", "word_problems"), default="calculator", help="whose episodes")
+    parser.add_argument("--operations", type=int, default=None, help="word_problems: only problems of this many steps")
     args = parser.parse_args(argv)
     if args.rows < 1:
         parser.error(f"--rows must be positive, got {args.rows}")
-    path = write_jsonl(args.out, calculator_transcripts(args.rows, args.seed))
+    if args.operations is not None:
+        if args.env != "word_problems":
+            parser.error("--operations applies to --env word_problems")
+        if not MIN_OPERATIONS <= args.operations <= MAX_OPERATIONS:
+            parser.error(f"--operations must be {MIN_OPERATIONS} to {MAX_OPERATIONS}, got {args.operations}")
+    if args.env == "calculator":
+        records = calculator_transcripts(args.rows, args.seed)
+    else:
+        records = word_problem_transcripts(args.rows, args.seed, args.operations)
+    path = write_jsonl(args.out, records)
     print(f"wrote {args.rows} transcripts to {path}")
 
 

@@ -16,12 +16,14 @@ from posttrain.tasks.base import Task, TaskError, accuracy
 from posttrain.tasks.gsm8k import GSM8KTask, load_gsm8k
 from posttrain.tasks.guess_number import GuessNumberTask
 from posttrain.tasks.multiplication import MultiplicationTask
+from posttrain.tasks.word_problems import WordProblemsTask
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": ArithmeticTask,
     "gsm8k": GSM8KTask,
     "multiplication": MultiplicationTask,
     "guess_number": GuessNumberTask,  # rows for the guess_number environment, which scores them itself
+    "word_problems": WordProblemsTask,  # 2-4 chained steps, for the word_problems environment's calculator
 }
 
 # Built-in tasks and the reward each is scored with unless `reward.functions` says otherwise.
@@ -29,6 +31,7 @@ TASK_DEFAULT_REWARDS: dict[str, str] = {
     "arithmetic": "numeric_match",
     "gsm8k": "gsm8k",
     "multiplication": "numeric_match",
+    "word_problems": "numeric_match",
 }
 
 
@@ -54,6 +57,7 @@ __all__ = [
     "MultiplicationTask",
     "Task",
     "TaskError",
+    "WordProblemsTask",
     "accuracy",
     "load_gsm8k",
     "make_task",

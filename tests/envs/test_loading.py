@@ -118,7 +118,7 @@ def test_errors_name_the_spec(user_file):
         load_environment_factory("tools")
     with pytest.raises(EnvError, match="environment 'calculator' has its own tools"):
         load_environment_factory("calculator", tools=["python"])
-    with pytest.raises(EnvError, match=r"unknown tool 'calc' \(built-ins: calculator, python"):
+    with pytest.raises(EnvError, match=r"unknown tool 'calc' \(built-ins: calculator, calculate, python"):
         load_tools(["calc"])
     with pytest.raises(EnvError, match=r"environment '.*my_envs.py:Nope': .* has no 'Nope' \(it defines: .*Echo"):
         load_environment_factory(f"{user_file}:Nope")

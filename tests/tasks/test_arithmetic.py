@@ -85,10 +85,10 @@ def test_errors():
 
 
 def test_registry_and_accuracy():
-    assert set(TASKS) == {"arithmetic", "gsm8k", "multiplication", "guess_number"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "multiplication", "guess_number", "word_problems"}
     assert isinstance(make_task("arithmetic", seed=1), ArithmeticTask)
     with pytest.raises(
-        TaskError, match=r"unknown task 'math' \(choose from arithmetic, gsm8k, multiplication, guess_number\)"
+        TaskError, match=r"unknown task 'math' \(choose from arithmetic, gsm8k, multiplication, guess_number, word_problems\)"
     ):
         make_task("math")
     with pytest.raises(TaskError, match=r"task 'arithmetic': .*'sed' \(options: seed\)"):

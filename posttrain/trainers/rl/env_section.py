@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttrain.envs.latency import with_latency
 from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import PosttrainError
 from posttrain.rollout.chat_tokens import ChatTokens
@@ -32,6 +33,9 @@ class EnvSection:
     # One tool call, given to the environment as its `tool_timeout_s` option (calculator, tools); null: its default.
     tool_timeout_s: float | None = None
     step_timeout_s: float = 60.0  # one whole environment call (reset, step, episode_reward): the rollout's bound
+    # Seconds every answered turn waits (a sleep, no CPU), as a remote tool, sandbox or judge would answer; 0: none.
+    # Raise `workers` with it: each waiting episode holds a worker (posttrain.envs.latency).
+    tool_latency_s: float = 0.0
     truncated_reward: Literal["zero", "unscorable"] = "zero"  # a truncated episode's reward: 0, or left out (NaN)
     # Per-step rewards an environment returns: ignore them (outcome only); sum: add their sum to the episode's
     # outcome reward before the group's advantage is taken; per_turn: (token-level advantages: ppo's GAE,
@@ -50,6 +54,12 @@ class EnvSection:
         for name in ("tool_timeout_s", "step_timeout_s"):
             value = getattr(self, name)
             need(value is None or value > 0, f"{name} must be > 0, got {value}")
+        need(self.tool_latency_s >= 0, f"tool_latency_s must be >= 0, got {self.tool_latency_s}")
+        need(
+            self.tool_latency_s < self.step_timeout_s,
+            f"tool_latency_s ({self.tool_latency_s}) must be below step_timeout_s ({self.step_timeout_s}): "
+            "every answered turn would time out",
+        )
 
 
 def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
@@ -77,6 +87,7 @@ def episode_options(
     if make_env is None or parser is None:
         loaded_env, loaded_parser = load_environment(env)
         make_env, parser = make_env or loaded_env, parser or loaded_parser
+    make_env = with_latency(make_env, env.tool_latency_s)  # given or loaded alike
     try:
         schemas = [tool.schema for tool in make_env().tools]
     except PosttrainError:

@@ -1,0 +1,108 @@
+"""The word_problems environment: one operation per `calculate` call, results carried forward, exact reward;
+and its SFT transcripts replay through it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.envs.builtin_tools import calculate
+from posttrain.envs.loading import load_environment_factory
+from posttrain.envs.tool_calls import parse_hermes
+from posttrain.envs.transcripts import main, word_problem_transcripts
+from posttrain.envs.word_problems import SYSTEM_PROMPT, word_problems_environment
+from posttrain.tasks import make_task
+
+pytest.importorskip("transformers")
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "%s"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("expression", "answer"),
+    [("347 * 29", "10063"), ("1636 - 981", "655"), ("84 / 4", "21"), ("-5 + 2", "-3"), ("7", "7")],
+)
+def test_calculate_computes_one_operation(expression, answer):
+    assert calculate(expression) == answer
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("(509 - 471) * 10", "one operation per call ('(509 - 471) * 10' has 2)"),
+        ("1 + 2 + 3 + 4", "has 3"),
+        ("2 +", "cannot parse"),
+        ("x * 2", "unsupported element"),
+    ],
+)
+def test_calculate_refuses_chains_and_bad_expressions_with_a_reason(expression, error):
+    result = calculate(expression)
+    assert result.startswith("Error: ") and error in result
+
+
+def test_an_episode_chains_the_results_and_scores_the_exact_answer():
+    row = make_task("word_problems", seed=1).sample(1)[0]
+    env = word_problems_environment()
+    assert env.reset(row) == [{"role": "system", "content": SYSTEM_PROMPT}, *row["prompt"]]
+    assert [tool.name for tool in env.tools] == ["calculate"]
+    value = row["start"]
+    for op, n in row["chain"]:
+        step = env.step(parse_hermes(CALL % f"{value} {op} {n}"))
+        assert not step.done and step.counts["tool_calls"] == 1
+        value = int(step.observations[0]["content"])
+    assert str(value) == row["answer"]
+    assert env.step(parse_hermes(f"The answer is {value}.")).done and env.episode_reward() == 1.0
+
+
+def test_a_whole_chain_in_one_call_is_refused_and_a_wrong_answer_scores_zero():
+    row = {"prompt": "A shop has 509 cards. ...", "answer": "4940"}
+    env = word_problems_environment()
+    env.reset(row)
+    step = env.step(parse_hermes(CALL % "(509 - 471) * 10 * 13"))
+    assert step.observations[0]["content"].startswith("Error: one operation per call")
+    assert env.step(parse_hermes("The answer is 4941.")).done and env.episode_reward() == 0.0
+    cut_short = word_problems_environment()
+    cut_short.reset(row)
+    assert cut_short.episode_reward() == 0.0  # never answered: no credit
+
+
+def test_the_environment_loads_by_name_with_its_options():
+    make = load_environment_factory("word_problems", options={"tool_timeout_s": 2.0})
+    assert make().tool_timeout_s == 2.0
+    with pytest.raises(Exception, match="has its own tools"):
+        load_environment_factory("word_problems", tools=["python"])
+
+
+def test_transcripts_replay_through_the_environment_step_for_step():
+    records = word_problem_transcripts(6, seed=2)
+    assert {len(r["messages"]) for r in records} <= {2 + 2 * k + 1 for k in (2, 3, 4)}
+    for record in records:
+        messages = record["messages"]
+        env = word_problems_environment()
+        row = {"prompt": messages[1:2], "answer": messages[-1]["content"].split()[-1].rstrip(".")}
+        assert env.reset(row) == messages[:2]
+        for index, (call, result) in enumerate(zip(messages[2:-1:2], messages[3:-1:2])):
+            function = call["tool_calls"][0]["function"]
+            turn = parse_hermes(f"<tool_call>\n{json.dumps(function)}\n</tool_call>", index)  # ids count on
+            assert function["name"] == "calculate" and env.step(turn).observations == [result]
+        assert env.step(parse_hermes(messages[-1]["content"])).done and env.episode_reward() == 1.0
+    # each call's first operand is the previous call's result
+    messages = records[0]["messages"]
+    calls = [m["tool_calls"][0]["function"]["arguments"]["expression"] for m in messages[2:-1:2]]
+    results = [m["content"] for m in messages[3:-1:2]]
+    assert [c.split()[0] for c in calls[1:]] == results[:-1]
+
+
+def test_the_transcript_command_filters_by_operations(tmp_path, capsys):
+    out = tmp_path / "wp.jsonl"
+    main(["--env", "word_problems", "--out", str(out), "--rows", "5", "--operations", "3"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and all(len(r["messages"]) == 2 + 2 * 3 + 1 for r in rows)
+    for argv, error in [
+        (["--operations", "3"], "applies to --env word_problems"),
+        (["--env", "word_problems", "--operations", "5"], "must be 2 to 4"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["--out", str(out), *argv])
+        assert error in capsys.readouterr().err
