@@ -106,3 +106,26 @@ def test_the_transcript_command_filters_by_operations(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["--out", str(out), *argv])
         assert error in capsys.readouterr().err
+
+
+def test_the_demo_s_cold_start_data_is_what_its_command_writes_and_fits():
+    """examples/agent_word_problems_sft.yaml trains on the 8 two-step rows its header's command writes, each row
+    once, within its max_length in the default model's tokenizer."""
+    from pathlib import Path
+
+    from posttrain.chat_templates import load_chat_template
+    from posttrain.config import load_config
+    from posttrain.data.formats import parse_conversational
+    from posttrain.data.tokenize import tokenize_sft
+    from posttrain.trainers.sft import SFTConfig
+    from tests.trainers.rl_helpers import tokenizer as default_tokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(SFTConfig, root / "examples" / "agent_word_problems_sft.yaml")
+    records = [json.loads(line) for line in (root / cfg.data.path).read_text().splitlines()]
+    assert records == word_problem_transcripts(8, seed=0, operations=2)
+    assert len(records) == cfg.train.batch_size * cfg.train.max_steps
+    tok = default_tokenizer()
+    tok.chat_template = load_chat_template(cfg.model.chat_template)
+    lengths = [len(tokenize_sft(tok, parse_conversational(r)).input_ids) for r in records]
+    assert max(lengths) <= cfg.data.max_length

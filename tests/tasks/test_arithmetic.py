@@ -88,7 +88,8 @@ def test_registry_and_accuracy():
     assert set(TASKS) == {"arithmetic", "gsm8k", "multiplication", "guess_number", "word_problems"}
     assert isinstance(make_task("arithmetic", seed=1), ArithmeticTask)
     with pytest.raises(
-        TaskError, match=r"unknown task 'math' \(choose from arithmetic, gsm8k, multiplication, guess_number, word_problems\)"
+        TaskError,
+        match=r"unknown task 'math' \(choose from arithmetic, gsm8k, multiplication, guess_number, word_problems\)",
     ):
         make_task("math")
     with pytest.raises(TaskError, match=r"task 'arithmetic': .*'sed' \(options: seed\)"):

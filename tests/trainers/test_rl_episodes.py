@@ -154,22 +154,26 @@ def test_bad_env_sections_fail_on_load(tmp_path: Path, data: Path, override: str
         _config(tmp_path, data, "bad", override)
 
 
-def test_the_example_config_loads_its_environment_and_fits_its_prompts() -> None:
+@pytest.mark.parametrize(
+    "config, tool, data",
+    [("agent_calculator.yaml", "calculator", "calculator"), ("agent_word_problems.yaml", "calculate", "word_problems")],
+)
+def test_the_example_config_loads_its_environment_and_fits_its_prompts(config: str, tool: str, data: str) -> None:
     from posttrain.chat_templates import load_chat_template
     from posttrain.tasks import make_task
     from posttrain.trainers.rl.env_section import episode_options
     from tests.trainers.rl_helpers import tokenizer
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(GRPOConfig, root / "examples" / "agent_calculator.yaml")
+    cfg = load_config(GRPOConfig, root / "examples" / config)
     tok = tokenizer()
     tok.chat_template = load_chat_template(cfg.model.chat_template)
     options = episode_options(cfg.env, tok, cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
-    assert [tool["function"]["name"] for tool in options.chat.tools] == ["calculator"]
+    assert [tool["function"]["name"] for tool in options.chat.tools] == [tool]
     env = options.make_env()
     for row in make_task(cfg.data.task).held_out(cfg.data.eval_size):
         assert len(options.chat.opening_ids(env.reset(row))) <= cfg.rollout.max_prompt_tokens
-    held_out = [json.loads(line) for line in (root / "examples/data/calculator/test.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (root / f"examples/data/{data}/test.jsonl").read_text().splitlines()]
     assert len(held_out) == 200 and all(int(r["answer"]) > 0 and r["question"] for r in held_out)
 
 
