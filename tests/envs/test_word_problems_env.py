@@ -110,7 +110,7 @@ def test_the_transcript_command_filters_by_operations(tmp_path, capsys):
 
 def test_the_demo_s_cold_start_data_is_what_its_command_writes_and_fits():
     """examples/agent_word_problems_sft.yaml trains on the 8 two-step rows its header's command writes, each row
-    once, within its max_length in the default model's tokenizer."""
+    four times, within its max_length in the default model's tokenizer."""
     from pathlib import Path
 
     from posttrain.chat_templates import load_chat_template
@@ -124,7 +124,7 @@ def test_the_demo_s_cold_start_data_is_what_its_command_writes_and_fits():
     cfg = load_config(SFTConfig, root / "examples" / "agent_word_problems_sft.yaml")
     records = [json.loads(line) for line in (root / cfg.data.path).read_text().splitlines()]
     assert records == word_problem_transcripts(8, seed=0, operations=2)
-    assert len(records) == cfg.train.batch_size * cfg.train.max_steps
+    assert 4 * len(records) == cfg.train.batch_size * cfg.train.max_steps
     tok = default_tokenizer()
     tok.chat_template = load_chat_template(cfg.model.chat_template)
     lengths = [len(tokenize_sft(tok, parse_conversational(r)).input_ids) for r in records]
