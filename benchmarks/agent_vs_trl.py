@@ -1,12 +1,16 @@
-"""The agentic demo against its peer: posttrain's GRPO on calculator episodes vs TRL's GRPOTrainer with
-`tools=[calculator]`, each for `--minutes` of wall time, one after the other, from the same weights.
+"""An agentic demo against its peer: posttrain's GRPO on tool-use episodes vs TRL's GRPOTrainer with the same
+tool (`tools=[...]`), each for `--minutes` of wall time, one after the other, from the same weights.
 
-Both sides: the cold-started default model (`--start`, default runs/calculator-sft/final, the output of
-`posttrain sft examples/agent_calculator_sft.yaml`; run first when missing), the `chatml_tools` template (saved
-with that checkpoint; TRL reads it through transformers), fresh training problems of the `multiplication` task
-with the calculator environment's system prompt, 4 prompts x 4 episodes a step, temperature 1, beta 0, the
-`grpo` loss, AdamW at examples/agent_calculator.yaml's learning rate, the exact-product reward (1 when the
-final turn's last number is the product). Token limits: posttrain samples at most `rollout.max_tokens` a turn,
+`--task` picks the demo (its configs, tool, held-out file and cold start):
+  calculator     examples/agent_calculator.yaml: multiplication with the `calculator` tool
+  word_problems  examples/agent_word_problems.yaml: word problems of 2-4 chained `calculate` calls
+
+Both sides: the cold-started default model (`--start`, default the demo's SFT output, e.g.
+runs/calculator-sft/final from `posttrain sft examples/agent_calculator_sft.yaml`; run first when missing), the
+`chatml_tools` template (saved with that checkpoint; TRL reads it through transformers), fresh training problems
+of the demo's task with its environment's system prompt, the demo config's prompts x episodes a step, temperature,
+beta 0, the `grpo` loss, AdamW at the demo config's learning rate, the environment's reward (1 when the final
+turn's last number is the exact answer). Token limits: posttrain samples at most `rollout.max_tokens` a turn,
 `env.max_turns` turns and `env.max_episode_tokens` after the prompt; TRL has no per-turn limit, so it gets the
 episode budget as `max_completion_length` and `max_turns - 1` tool rounds (`max_tool_calling_iterations`).
 TRL generates with transformers' `generate` (no vLLM on a CPU); the tool-call parser is TRL's Hermes/Qwen one
@@ -14,8 +18,8 @@ TRL generates with transformers' `generate` (no vLLM on a CPU); the tool-call pa
 
 Each side saves a snapshot of the model every `--minutes / --points` minutes of its own training time (the
 saves are not counted); after both have trained, every snapshot is evaluated the same way, by
-`posttrain eval accuracy --config examples/agent_calculator.yaml` on the first `--eval-size` problems of
-examples/data/calculator/test.jsonl (greedy episodes with the tool): held-out accuracy and tool calls per
+`posttrain eval accuracy --config <the demo's config>` on the first `--eval-size` problems of its held-out
+file, examples/data/<task>/test.jsonl (greedy episodes with the tool): held-out accuracy and tool calls per
 episode against training wall time. The start checkpoint is evaluated once, as both curves' first point.
 
 Writes <out>/curves.json and <out>/curves.csv; prints per-step lines, then one JSON line:
@@ -23,6 +27,7 @@ Writes <out>/curves.json and <out>/curves.csv; prints per-step lines, then one J
 
     .venv/bin/python benchmarks/agent_vs_trl.py [--minutes 30] [--eval-size 200] [--points 6] [--only trl]
         [--precision fp32|bf16]
+    .venv/bin/python benchmarks/agent_vs_trl.py --task word_problems      # the word-problems demo, 30 min each
     .venv/bin/python benchmarks/agent_vs_trl.py --minutes 2 --eval-size 20 --points 1     # smoke run
     .venv/bin/python benchmarks/agent_vs_trl.py --dry-run     # the commands and settings, no compute
 
@@ -46,6 +51,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +68,42 @@ from matching import (  # noqa: E402
 )
 from matching import side as side_settings  # noqa: E402  (`side` is a loop variable below)
 
-CONFIG = ROOT / "examples" / "agent_calculator.yaml"
-SFT_CONFIG = ROOT / "examples" / "agent_calculator_sft.yaml"
-TEST_DATA = ROOT / "examples" / "data" / "calculator" / "test.jsonl"
 SIDES = ("posttrain", "trl")
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One agentic demo: its GRPO and SFT configs, held-out file, cold-start output, tool, task and environment."""
+
+    config: Path
+    sft_config: Path
+    test_data: Path
+    start: Path
+    tool: str  # a function of posttrain.envs.builtin_tools
+    task: str  # a posttrain.tasks name
+    environment: str  # the posttrain.envs module whose SYSTEM_PROMPT opens an episode
+
+
+DEMOS = {
+    "calculator": Demo(
+        ROOT / "examples" / "agent_calculator.yaml",
+        ROOT / "examples" / "agent_calculator_sft.yaml",
+        ROOT / "examples" / "data" / "calculator" / "test.jsonl",
+        ROOT / "runs" / "calculator-sft" / "final",
+        "calculator",
+        "multiplication",
+        "posttrain.envs.calculator",
+    ),
+    "word_problems": Demo(
+        ROOT / "examples" / "agent_word_problems.yaml",
+        ROOT / "examples" / "agent_word_problems_sft.yaml",
+        ROOT / "examples" / "data" / "word_problems" / "test.jsonl",
+        ROOT / "runs" / "word-problems-sft" / "final",
+        "calculate",
+        "word_problems",
+        "posttrain.envs.word_problems",
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,9 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=30.0, help="training wall time of each side (default 30)")
     parser.add_argument("--eval-size", type=int, default=200, help="held-out problems per evaluation (default 200)")
     parser.add_argument("--points", type=int, default=6, help="snapshots per side, evenly over --minutes (default 6)")
-    parser.add_argument(
-        "--start", type=Path, default=ROOT / "runs" / "calculator-sft" / "final", help="the weights both start from"
-    )
+    parser.add_argument("--task", choices=tuple(DEMOS), default="calculator", help="which demo (default calculator)")
+    parser.add_argument("--start", type=Path, default=None, help="the weights both start from (default: the demo's)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "agent_vs_trl", help="snapshots and curves")
     parser.add_argument("--only", choices=SIDES, default=None, help="train one side only")
     parser.add_argument("--precision", **PRECISION_ARGUMENT)
@@ -87,15 +124,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--eval-size must be in 1..200 (the held-out file's rows), got {args.eval_size}")
     if args.points < 1:
         parser.error(f"--points must be >= 1, got {args.points}")
+    args.demo = DEMOS[args.task]
+    args.start = args.start or args.demo.start
     return args
 
 
-def shared_settings() -> dict[str, Any]:
-    """What both sides take from examples/agent_calculator.yaml."""
+def shared_settings(demo: Demo) -> dict[str, Any]:
+    """What both sides take from the demo's config."""
     from posttrain.config import load_config
     from posttrain.trainers.rl.config import GRPOConfig
 
-    cfg = load_config(GRPOConfig, CONFIG)
+    cfg = load_config(GRPOConfig, demo.config)
     return {
         "prompts_per_step": cfg.rollout.prompts_per_step,
         "samples_per_prompt": cfg.rollout.samples_per_prompt,
@@ -113,9 +152,9 @@ def posttrain_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "posttrain", *args]
 
 
-def eval_command(model: Path, eval_size: int) -> list[str]:
+def eval_command(demo: Demo, model: Path, eval_size: int) -> list[str]:
     return posttrain_command(
-        "eval", "accuracy", "--config", str(CONFIG), "--model", str(model), "--data", str(TEST_DATA),
+        "eval", "accuracy", "--config", str(demo.config), "--model", str(model), "--data", str(demo.test_data),
         "--num", str(eval_size), "--json",
     )  # fmt: skip
 
@@ -126,7 +165,7 @@ def cold_start(args: argparse.Namespace) -> Path:
         return args.start
     run_dir = args.out / "sft"
     print(f"no {args.start}: running the cold start into {run_dir}", flush=True)
-    subprocess.run(posttrain_command("sft", str(SFT_CONFIG), f"out={run_dir}"), check=True, cwd=ROOT)
+    subprocess.run(posttrain_command("sft", str(args.demo.sft_config), f"out={run_dir}"), check=True, cwd=ROOT)
     return run_dir / "final"
 
 
@@ -146,7 +185,7 @@ class Snapshots:
 
 
 def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """posttrain's GRPO on examples/agent_calculator.yaml from `start`, in this process, for --minutes."""
+    """posttrain's GRPO on the demo's config from `start`, in this process, for --minutes."""
     from posttrain.checkpoint.model import save_trained
     from posttrain.config import load_config
     from posttrain.trainers.rl import rl_step, setup_run
@@ -155,7 +194,7 @@ def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any
     out = args.out / "posttrain"
     overrides = [f"model.name_or_path={start}", f"out={out}", "data.eval_size=0", "log.progress=false"]
     overrides.append(f"model.dtype={posttrain_model_dtype(args.precision)}")
-    cfg = load_config(GRPOConfig, CONFIG, overrides + ["kl.beta=0.0"])
+    cfg = load_config(GRPOConfig, args.demo.config, overrides + ["kl.beta=0.0"])
     run = setup_run(cfg, "grpo")
     require_bf16_autocast(args.precision, update_autocast(run))
     snapshots = Snapshots(out, args.minutes, args.points)
@@ -183,9 +222,9 @@ def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any
     return snapshots.saved
 
 
-def calculator_reward(completions: list[list[dict]], answer: list[str], **kwargs: Any) -> list[float]:
-    """The calculator environment's reward on TRL's conversational completions: 1.0 when the last message is an
-    assistant turn without tool calls whose last number is the exact product (posttrain.envs.calculator)."""
+def final_answer_reward(completions: list[list[dict]], answer: list[str], **kwargs: Any) -> list[float]:
+    """Both environments' reward on TRL's conversational completions: 1.0 when the last message is an assistant
+    turn without tool calls whose last number is the exact answer (posttrain.envs.calculator.exact_final_number)."""
     from posttrain.envs.calculator import exact_final_number
 
     rewards = []
@@ -198,26 +237,26 @@ def calculator_reward(completions: list[list[dict]], answer: list[str], **kwargs
     return rewards
 
 
-def trl_rows(settings: dict[str, Any], count: int) -> list[dict[str, Any]]:
-    """Fresh training problems of the multiplication task, opened as the calculator environment opens them."""
-    from posttrain.envs.calculator import SYSTEM_PROMPT
-    from posttrain.tasks.multiplication import MultiplicationTask
+def trl_rows(demo: Demo, settings: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """Fresh training problems of the demo's task, opened as its environment opens them (its system prompt)."""
+    import importlib
 
-    rows = MultiplicationTask(seed=settings["data_seed"]).sample(count)
-    return [
-        {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, *r["prompt"]], "answer": r["answer"]} for r in rows
-    ]
+    from posttrain.tasks import make_task
+
+    system = {"role": "system", "content": importlib.import_module(demo.environment).SYSTEM_PROMPT}
+    rows = make_task(demo.task, seed=settings["data_seed"]).sample(count)
+    return [{"prompt": [system, *r["prompt"]], "answer": r["answer"]} for r in rows]
 
 
 def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """TRL's GRPOTrainer with tools=[calculator] from `start`, for --minutes of training time."""
+    """TRL's GRPOTrainer with the demo's tool from `start`, for --minutes of training time."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer, chat_template_utils
 
-    from posttrain.envs.builtin_tools import calculator
+    from posttrain.envs import builtin_tools
 
     out = args.out / "trl"
     model = AutoModelForCausalLM.from_pretrained(str(start), dtype=torch.float32)
@@ -286,24 +325,24 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
         lr_scheduler_type="constant",
         warmup_steps=0,
     )
-    rows = trl_rows(settings, settings["prompts_per_step"] * 2000)
+    rows = trl_rows(args.demo, settings, settings["prompts_per_step"] * 2000)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=calculator_reward,
+        reward_funcs=final_answer_reward,
         args=trl_args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        tools=[calculator],
+        tools=[getattr(builtin_tools, args.demo.tool)],
         callbacks=[Clock()],
     )
     trainer.train()
     return snapshots.saved
 
 
-def evaluate(model: Path, eval_size: int) -> dict[str, Any]:
+def evaluate(demo: Demo, model: Path, eval_size: int) -> dict[str, Any]:
     """posttrain's held-out evaluation with the tool: accuracy, tool calls and turns per episode."""
     started = time.perf_counter()
-    done = subprocess.run(eval_command(model, eval_size), capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(eval_command(demo, model, eval_size), capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"evaluating {model} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -331,6 +370,7 @@ def write_curves(out: Path, curves: dict[str, list[dict[str, Any]]]) -> None:
 
 def summary(curves: dict[str, list[dict[str, Any]]], start: Path, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
+        "task": args.task,
         "minutes": args.minutes,
         "eval_size": args.eval_size,
         "start": str(start),
@@ -360,7 +400,7 @@ def load_average() -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    settings = shared_settings()
+    settings = shared_settings(args.demo)
     sides = [args.only] if args.only else list(SIDES)
     if args.dry_run:
         plan = {
@@ -369,20 +409,23 @@ def main(argv: list[str] | None = None) -> None:
             "precision": args.precision,
             "posttrain_model_dtype": posttrain_model_dtype(args.precision),
             "start": str(args.start),
-            "cold_start": None if (args.start / "config.json").is_file() else posttrain_command("sft", str(SFT_CONFIG)),
+            "cold_start": None
+            if (args.start / "config.json").is_file()
+            else posttrain_command("sft", str(args.demo.sft_config)),
             "snapshot_every_min": args.minutes / args.points,
-            "eval": eval_command(args.start, args.eval_size),
+            "eval": eval_command(args.demo, args.start, args.eval_size),
         }
         print(json.dumps(plan))
         return
     start = cold_start(args)
-    first = {"minutes": 0.0, "step": 0, **evaluate(start, args.eval_size)}
+    first = {"minutes": 0.0, "step": 0, **evaluate(args.demo, start, args.eval_size)}
     saved = {
         side: (train_posttrain(start, args) if side == "posttrain" else train_trl(start, args, settings))
         for side in sides
     }
     curves = {
-        side: [first] + [{**s, **evaluate(Path(s["path"]), args.eval_size)} for s in saved[side]] for side in sides
+        side: [first] + [{**s, **evaluate(args.demo, Path(s["path"]), args.eval_size)} for s in saved[side]]
+        for side in sides
     }
     write_curves(args.out, curves)
     print(json.dumps(summary(curves, start, args)))

@@ -51,7 +51,10 @@ def test_dry_run_takes_the_example_config(bench, tmp_path: Path, capsys: pytest.
     assert (settings["prompts_per_step"], settings["samples_per_prompt"], settings["max_turns"]) == (4, 4, 3)
     assert (settings["max_tokens"], settings["max_episode_tokens"]) == (40, 160)
     assert plan["sides"] == ["posttrain", "trl"] and plan["snapshot_every_min"] == 3.0
-    assert plan["cold_start"][-2:] == ["sft", str(bench.SFT_CONFIG)]  # no start checkpoint: the SFT config runs first
+    assert plan["cold_start"][-2:] == [
+        "sft",
+        str(bench.DEMOS["calculator"].sft_config),
+    ]  # no start checkpoint: the SFT config runs first
     assert plan["eval"][plan["eval"].index("--num") + 1] == "20"
     assert (plan["precision"], plan["posttrain_model_dtype"]) == ("fp32", "float32")
 
@@ -75,17 +78,32 @@ def test_trl_reward_is_the_environments(bench) -> None:
         [call, {"role": "tool", "content": answer}],  # cut off after the tool: no final answer
         [{**call, "content": "10063"}],  # the right number, but in a turn that calls a tool
     ]
-    assert bench.calculator_reward(completions, [answer] * 4) == [1.0, 0.0, 0.0, 0.0]
+    assert bench.final_answer_reward(completions, [answer] * 4) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_trl_rows_open_as_the_environment_does(bench) -> None:
     from posttrain.envs.calculator import SYSTEM_PROMPT
 
-    rows = bench.trl_rows({"data_seed": 0}, 3)
+    rows = bench.trl_rows(bench.DEMOS["calculator"], {"data_seed": 0}, 3)
     assert len(rows) == 3
     for row in rows:
         assert row["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
         assert row["prompt"][1]["role"] == "user" and int(row["answer"]) >= 1000
+
+
+def test_word_problems_demo_takes_its_own_config_tool_and_rows(bench, tmp_path: Path, capsys) -> None:
+    from posttrain.envs import builtin_tools
+    from posttrain.envs.word_problems import SYSTEM_PROMPT
+
+    args = bench.parse_args(["--task", "word_problems"])
+    assert args.start == ROOT / "runs" / "word-problems-sft" / "final"
+    assert getattr(builtin_tools, args.demo.tool) is builtin_tools.calculate
+    bench.main(["--dry-run", "--task", "word_problems", "--start", str(tmp_path / "none")])
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (plan["settings"]["samples_per_prompt"], plan["settings"]["max_turns"]) == (8, 6)
+    assert str(ROOT / "examples" / "data" / "word_problems" / "test.jsonl") in plan["eval"]
+    rows = bench.trl_rows(args.demo, {"data_seed": 0}, 2)
+    assert all(r["prompt"][0]["content"] == SYSTEM_PROMPT and r["answer"] for r in rows)
 
 
 def test_snapshots_are_evenly_spaced(bench, tmp_path: Path) -> None:
