@@ -145,6 +145,8 @@ def shared_settings(demo: Demo) -> dict[str, Any]:
         "lr": cfg.optim.lr,
         "seed": cfg.train.seed,
         "data_seed": cfg.data.seed,
+        # the environment's per-step reward, when the config adds it to the outcome (word_problems' step_reward)
+        "step_reward": cfg.env.options.get("step_reward", 0.0) if cfg.env.turn_rewards == "sum" else 0.0,
     }
 
 
@@ -222,6 +224,29 @@ def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any
     return snapshots.saved
 
 
+def step_rewards(completions: list[list[dict]], step_reward: float, start: list, chain: list) -> list[float]:
+    """The word_problems environment's process reward on TRL's completions: `step_reward` for each tool answer
+    that is the chain's next intermediate value, in order (posttrain.envs.word_problems.steps_matched)."""
+    from posttrain.envs.word_problems import intermediate_values, steps_matched
+
+    rewards = []
+    for messages, first, steps in zip(completions, start, chain, strict=True):
+        results = [str(m.get("content")) for m in messages if m.get("role") == "tool"]
+        rewards.append(step_reward * steps_matched(results, intermediate_values({"start": first, "chain": steps})))
+    return rewards
+
+
+def reward_functions(step_reward: float) -> list:
+    """TRL's reward_funcs: the outcome, plus the per-step reward where the demo's config adds it (TRL sums them)."""
+    if not step_reward:
+        return [final_answer_reward]
+
+    def correct_steps(completions: list[list[dict]], start: list, chain: list, **kwargs: Any) -> list[float]:
+        return step_rewards(completions, step_reward, start, chain)
+
+    return [final_answer_reward, correct_steps]
+
+
 def final_answer_reward(completions: list[list[dict]], answer: list[str], **kwargs: Any) -> list[float]:
     """Both environments' reward on TRL's conversational completions: 1.0 when the last message is an assistant
     turn without tool calls whose last number is the exact answer (posttrain.envs.calculator.exact_final_number)."""
@@ -245,7 +270,8 @@ def trl_rows(demo: Demo, settings: dict[str, Any], count: int) -> list[dict[str,
 
     system = {"role": "system", "content": importlib.import_module(demo.environment).SYSTEM_PROMPT}
     rows = make_task(demo.task, seed=settings["data_seed"]).sample(count)
-    return [{"prompt": [system, *r["prompt"]], "answer": r["answer"]} for r in rows]
+    # the prompt opened as the environment opens it; the other columns reach the reward functions (TRL's kwargs)
+    return [{**r, "prompt": [system, *r["prompt"]]} for r in rows]
 
 
 def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -328,7 +354,7 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
     rows = trl_rows(args.demo, settings, settings["prompts_per_step"] * 2000)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=final_answer_reward,
+        reward_funcs=reward_functions(settings["step_reward"]),
         args=trl_args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,

@@ -100,10 +100,18 @@ def test_word_problems_demo_takes_its_own_config_tool_and_rows(bench, tmp_path: 
     assert getattr(builtin_tools, args.demo.tool) is builtin_tools.calculate
     bench.main(["--dry-run", "--task", "word_problems", "--start", str(tmp_path / "none")])
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (plan["settings"]["samples_per_prompt"], plan["settings"]["max_turns"]) == (8, 6)
+    assert (plan["settings"]["samples_per_prompt"], plan["settings"]["max_turns"]) == (4, 6)
     assert str(ROOT / "examples" / "data" / "word_problems" / "test.jsonl") in plan["eval"]
+    assert plan["settings"]["step_reward"] == 0.1  # the config's process reward reaches TRL's side too
     rows = bench.trl_rows(args.demo, {"data_seed": 0}, 2)
-    assert all(r["prompt"][0]["content"] == SYSTEM_PROMPT and r["answer"] for r in rows)
+    assert all(r["prompt"][0]["content"] == SYSTEM_PROMPT and r["answer"] and r["chain"] for r in rows)
+    first, second = bench.reward_functions(0.1)
+    assert first is bench.final_answer_reward
+    tool = {"role": "tool", "content": ""}
+    completions = [[{**tool, "content": "120"}, {**tool, "content": "30"}], [{**tool, "content": "30"}]]
+    start, chain = [100, 100], [[["+", 20], ["/", 4]]] * 2
+    assert second(completions, start=start, chain=chain, answer=["30", "30"]) == [0.2, 0.0]  # in order only
+    assert bench.reward_functions(0.0) == [bench.final_answer_reward]
 
 
 def test_snapshots_are_evenly_spaced(bench, tmp_path: Path) -> None:

@@ -129,3 +129,32 @@ def test_the_demo_s_cold_start_data_is_what_its_command_writes_and_fits():
     tok.chat_template = load_chat_template(cfg.model.chat_template)
     lengths = [len(tokenize_sft(tok, parse_conversational(r)).input_ids) for r in records]
     assert max(lengths) <= cfg.data.max_length
+
+
+def test_step_reward_credits_each_next_intermediate_once_and_in_order():
+    row = {
+        "prompt": [{"role": "user", "content": "A shop has 100 cards. ..."}],
+        "answer": "36",
+        "start": 100,
+        "chain": [["+", 20], ["/", 4], ["+", 6]],  # 120, 30, 36
+    }
+    env = load_environment_factory("word_problems", options={"step_reward": 0.25})()
+    env.reset(row)
+    first = env.step(parse_hermes(CALL % "100 + 20"))
+    assert (first.reward, first.counts["correct_steps"]) == (0.25, 1.0)
+    again = env.step(parse_hermes(CALL % "100 + 20"))  # the same step again: 120 is no longer the next value
+    assert (again.reward, again.counts["correct_steps"]) == (0.0, 0.0)
+    skipped = env.step(parse_hermes(CALL % "30 + 6"))  # 36 is the third value, not the second
+    assert skipped.reward == 0.0
+    assert env.step(parse_hermes(CALL % "120 / 4")).reward == 0.25
+    final = env.step(parse_hermes("The answer is 36."))
+    assert final.done and final.reward == 0.0 and env.episode_reward() == 1.0
+    # off by default: counted, not rewarded; rows without a chain (the shipped test file) neither
+    plain = load_environment_factory("word_problems")()
+    plain.reset(row)
+    step = plain.step(parse_hermes(CALL % "100 + 20"))
+    assert step.reward is None and step.counts["correct_steps"] == 1.0
+    plain.reset({"prompt": "q", "answer": "3"})
+    assert "correct_steps" not in plain.step(parse_hermes(CALL % "1 + 2")).counts
+    with pytest.raises(Exception, match=r"step_reward must be a number in \[0, 1\], got 2"):
+        load_environment_factory("word_problems", options={"step_reward": 2})
