@@ -27,7 +27,7 @@ from posttrain.envs.guess_number import GuessNumberEnvironment
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import Tool, as_tools
 from posttrain.envs.trl_adapter import is_trl_environment_class, trl_environment_factory
-from posttrain.envs.word_problems import word_problems_environment
+from posttrain.envs.word_problems import WordProblemsEnvironment
 from posttrain.imports import is_import_spec, load_object
 
 EnvironmentFactory = Callable[[], Environment]
@@ -36,7 +36,7 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "calculator": calculator_environment,
     "guess_number": GuessNumberEnvironment,
     "tools": ToolEnvironment,
-    "word_problems": word_problems_environment,
+    "word_problems": WordProblemsEnvironment,
 }
 _TAKES_TOOLS = {"tools"}  # built-ins whose tools come from the `tools` list
 

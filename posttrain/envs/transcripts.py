@@ -36,8 +36,7 @@ from posttrain.envs.environment import Message
 from posttrain.envs.tools import Tool, as_tool, run_tool_call
 from posttrain.envs.turns import ParsedTurn, ToolCall
 from posttrain.tasks.multiplication import MultiplicationTask
-from posttrain.tasks.word_problems import MAX_OPERATIONS, MIN_OPERATIONS, WordProblemsTask
-from posttrain.tasks.word_problems import apply as apply_operation
+from posttrain.tasks.word_problems import MAX_OPERATIONS, MIN_OPERATIONS, WordProblemsTask, running_values
 
 _OPERANDS = re.compile(r"(\d+)\D+(\d+)")
 
@@ -68,10 +67,9 @@ def calculator_transcript(row: dict[str, Any], system_prompt: str = SYSTEM_PROMP
 
 def word_problem_transcript(row: dict[str, Any], system_prompt: str = word_problems.SYSTEM_PROMPT) -> dict[str, Any]:
     """The solved episode of one word problem: one `calculate` call per operation, on the running result."""
-    expressions, value = [], row["start"]
-    for op, n in row["chain"]:
-        expressions.append(f"{value} {op} {n}")
-        value = apply_operation(value, op, n)
+    chain = [(op, n) for op, n in row["chain"]]
+    inputs = [row["start"], *running_values(row["start"], chain)]  # each call's left operand: the previous result
+    expressions = [f"{value} {op} {n}" for value, (op, n) in zip(inputs, chain)]
     return solved_episode(row, system_prompt, as_tool(calculate), expressions, row["answer"])
 
 

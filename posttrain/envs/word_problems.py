@@ -24,7 +24,7 @@ from posttrain.envs.environment import EnvError, EnvStep, Message
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import DEFAULT_TOOL_TIMEOUT_S
 from posttrain.envs.turns import ParsedTurn
-from posttrain.tasks.word_problems import apply
+from posttrain.tasks.word_problems import running_values
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Solve the problem with the calculate tool, one operation per call, using each "
@@ -36,11 +36,7 @@ def intermediate_values(row: Mapping[str, Any]) -> list[str]:
     """The results of the chain's steps in order, as `calculate` writes them ([] for a row without a chain)."""
     if "chain" not in row or "start" not in row:
         return []
-    value, values = int(row["start"]), []
-    for op, n in row["chain"]:
-        value = apply(value, op, int(n))
-        values.append(str(value))
-    return values
+    return [str(value) for value in running_values(int(row["start"]), [(op, int(n)) for op, n in row["chain"]])]
 
 
 def steps_matched(results: list[str], targets: list[str], done: int = 0) -> int:
@@ -83,10 +79,3 @@ class WordProblemsEnvironment(ToolEnvironment):
             if self.step_reward:
                 result.reward = self.step_reward * earned
         return result
-
-
-def word_problems_environment(
-    system_prompt: str = SYSTEM_PROMPT, tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S, step_reward: float = 0.0
-) -> WordProblemsEnvironment:
-    """One episode's environment (see the module docstring for `step_reward`)."""
-    return WordProblemsEnvironment(system_prompt, tool_timeout_s, step_reward)

@@ -62,11 +62,17 @@ def apply(value: int, op: str, n: int) -> int:
     return value // n
 
 
-def evaluate(start: int, chain: Chain) -> int:
-    value = start
+def running_values(start: int, chain: Chain) -> list[int]:
+    """The value after each operation of the chain, in order (the last is the answer)."""
+    values, value = [], start
     for op, n in chain:
         value = apply(value, op, n)
-    return value
+        values.append(value)
+    return values
+
+
+def evaluate(start: int, chain: Chain) -> int:
+    return running_values(start, chain)[-1] if chain else start
 
 
 def draw_operation(rng: random.Random, value: int) -> tuple[str, int]:

@@ -11,7 +11,7 @@ from posttrain.envs.builtin_tools import calculate
 from posttrain.envs.loading import load_environment_factory
 from posttrain.envs.tool_calls import parse_hermes
 from posttrain.envs.transcripts import main, word_problem_transcripts
-from posttrain.envs.word_problems import SYSTEM_PROMPT, word_problems_environment
+from posttrain.envs.word_problems import SYSTEM_PROMPT, WordProblemsEnvironment
 from posttrain.tasks import make_task
 
 pytest.importorskip("transformers")
@@ -43,7 +43,7 @@ def test_calculate_refuses_chains_and_bad_expressions_with_a_reason(expression, 
 
 def test_an_episode_chains_the_results_and_scores_the_exact_answer():
     row = make_task("word_problems", seed=1).sample(1)[0]
-    env = word_problems_environment()
+    env = WordProblemsEnvironment()
     assert env.reset(row) == [{"role": "system", "content": SYSTEM_PROMPT}, *row["prompt"]]
     assert [tool.name for tool in env.tools] == ["calculate"]
     value = row["start"]
@@ -57,12 +57,12 @@ def test_an_episode_chains_the_results_and_scores_the_exact_answer():
 
 def test_a_whole_chain_in_one_call_is_refused_and_a_wrong_answer_scores_zero():
     row = {"prompt": "A shop has 509 cards. ...", "answer": "4940"}
-    env = word_problems_environment()
+    env = WordProblemsEnvironment()
     env.reset(row)
     step = env.step(parse_hermes(CALL % "(509 - 471) * 10 * 13"))
     assert step.observations[0]["content"].startswith("Error: one operation per call")
     assert env.step(parse_hermes("The answer is 4941.")).done and env.episode_reward() == 0.0
-    cut_short = word_problems_environment()
+    cut_short = WordProblemsEnvironment()
     cut_short.reset(row)
     assert cut_short.episode_reward() == 0.0  # never answered: no credit
 
@@ -79,7 +79,7 @@ def test_transcripts_replay_through_the_environment_step_for_step():
     assert {len(r["messages"]) for r in records} <= {2 + 2 * k + 1 for k in (2, 3, 4)}
     for record in records:
         messages = record["messages"]
-        env = word_problems_environment()
+        env = WordProblemsEnvironment()
         row = {"prompt": messages[1:2], "answer": messages[-1]["content"].split()[-1].rstrip(".")}
         assert env.reset(row) == messages[:2]
         for index, (call, result) in enumerate(zip(messages[2:-1:2], messages[3:-1:2])):
