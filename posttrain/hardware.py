@@ -10,8 +10,11 @@ of flag names separated by commas or spaces, e.g. `avx2` (an AVX2-only CPU) or `
 (a Zen 4/5). A forced feature set is believed as given: `auto` then skips the rate check below.
 
 `matmul_rates()` times a small square matmul per dtype (a fraction of a second, the emulated bf16 of an AVX2 CPU
-included) and caches the result under the posttrain cache, keyed by the CPU's model and flags, the torch version
-and the thread count, as the kernels are.
+included; the dtypes take turns over a few rounds and each keeps its best) and caches the result under the
+posttrain cache, keyed by the CPU's model and flags, the torch version and the thread count, as the kernels are.
+A result that contradicts the flags (fast bf16 flags, bf16 no faster than fp32) is not cached: a probe taken while
+other work held the cores would otherwise pin `auto` to fp32 on this machine for good (measured: 4.2 against 73
+GFLOP/s during a compile on a Zen 5 whose quiet bf16 is ~4x fp32), so it is measured again next time.
 
 `auto_dtype(device)` is what `dtype: auto` computes in: bf16 on an accelerator; on a CPU bf16 only where the CPU
 has fast bf16 AND its measured bf16 matmul beats fp32 (so `auto` never silently makes a run slower), else fp32.
@@ -39,7 +42,8 @@ INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni")
 SHOWN_FLAGS += ("amx_tile", "amx_bf16", "amx_int8")
 PROBE_SIZE = 256  # (n, n) @ (n, n): big enough to leave the call overhead behind, small enough for emulated bf16
-PROBE_SECONDS = 0.05  # per dtype, after one warm-up call
+PROBE_SECONDS = 0.05  # per dtype and round, after one warm-up call
+PROBE_ROUNDS = 3  # the dtypes take turns; each keeps its best round, so a burst of other work hits one round only
 PROBE_VERSION = 1  # bump when the probe changes, so cached rates of the old one are not read
 
 
@@ -53,7 +57,7 @@ class CpuFeatures:
 
     @property
     def fast_bf16(self) -> bool:
-        return bool(self.flags & FAST_BF16_FLAGS)
+        return fast_bf16_flags(self.flags)
 
     @property
     def int8_dot(self) -> bool:
@@ -61,6 +65,10 @@ class CpuFeatures:
 
     def shown_flags(self) -> list[str]:
         return [flag for flag in SHOWN_FLAGS if flag in self.flags]
+
+
+def fast_bf16_flags(flags: frozenset[str]) -> bool:
+    return bool(flags & FAST_BF16_FLAGS)
 
 
 def cpu_features() -> CpuFeatures:
@@ -113,6 +121,8 @@ def matmul_rates() -> dict[str, float]:
     except (OSError, ValueError, AttributeError):
         pass
     rates = _measure()
+    if fast_bf16_flags(flags) and rates["bfloat16"] <= rates["float32"]:
+        return rates  # suspect (see the module docstring): believed for this process only
     try:  # write beside and rename: two processes probing at once never read half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
@@ -129,17 +139,23 @@ def _measure() -> dict[str, float]:
     n = PROBE_SIZE
     flops = 2.0 * n**3
     generator = torch.Generator().manual_seed(0)
-    rates = {}
+    calls = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a = torch.randn(n, n, generator=generator).to(dtype)
         b = torch.randn(n, n, generator=generator).to(dtype)
-        rates[name] = _rate(lambda a=a, b=b: torch.mm(a, b), flops)
+        calls[name] = lambda a=a, b=b: torch.mm(a, b)
     a8 = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=generator)
     b8 = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=generator)
-    try:
-        rates["int8"] = _rate(lambda: torch._int_mm(a8, b8), flops)
-    except (RuntimeError, AttributeError, NotImplementedError):  # no CPU int8 matmul in this torch
-        pass
+    calls["int8"] = lambda: torch._int_mm(a8, b8)
+    rates: dict[str, float] = {}
+    for _ in range(PROBE_ROUNDS):
+        for name, call in list(calls.items()):
+            try:
+                rate = _rate(call, flops)
+            except (RuntimeError, AttributeError, NotImplementedError):  # no CPU int8 matmul in this torch
+                del calls[name]
+                continue
+            rates[name] = max(rates.get(name, 0.0), rate)
     return rates
 
 

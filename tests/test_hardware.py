@@ -82,6 +82,26 @@ def test_the_probe_runs_once_then_reads_the_cache(monkeypatch):
     assert hardware.matmul_rates() == first and len(calls) == 1
 
 
+def test_a_probe_that_contradicts_fast_bf16_flags_is_not_cached(monkeypatch):
+    """Fast bf16 flags but bf16 no faster than fp32 (a probe taken while a compile held the cores): believed for
+    this process, measured again by the next, so one bad minute cannot pin `auto` to fp32 for good."""
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Zen 5 (busy)", frozenset(ZEN5.split(","))))
+    measured = iter([{"float32": 73.0, "bfloat16": 4.2}, {"float32": 190.0, "bfloat16": 900.0}])
+    monkeypatch.setattr(hardware, "_measure", lambda: next(measured))
+    assert hardware.matmul_rates() == {"float32": 73.0, "bfloat16": 4.2}
+    assert hardware.auto_dtype("cpu").dtype == "bfloat16"  # the second probe, now cached
+    monkeypatch.setattr(hardware, "_measure", no_probe)
+    assert hardware.matmul_rates() == {"float32": 190.0, "bfloat16": 900.0}
+
+
+def test_each_dtype_keeps_its_best_round(monkeypatch):
+    """The dtypes take turns over PROBE_ROUNDS rounds; a round slowed by other work does not lower the rate."""
+    rounds = iter([10.0, 3.0, 5.0, 40.0, 1.0, 6.0, 20.0, 2.0, 4.0])  # fp32, bf16, int8 per round
+    monkeypatch.setattr(hardware, "PROBE_ROUNDS", 3)
+    monkeypatch.setattr(hardware, "_rate", lambda call, flops: next(rounds))
+    assert hardware._measure() == {"float32": 40.0, "bfloat16": 3.0, "int8": 6.0}
+
+
 def test_info_shows_the_cpu_and_what_auto_picks(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(hardware.FEATURES_ENV, AVX2)
     monkeypatch.setattr(hardware, "_measure", lambda: {"float32": 30.0, "bfloat16": 0.8, "int8": 1.1})
