@@ -44,7 +44,7 @@ SHOWN_FLAGS += ("amx_tile", "amx_bf16", "amx_int8")
 PROBE_SIZE = 256  # (n, n) @ (n, n): big enough to leave the call overhead behind, small enough for emulated bf16
 PROBE_SECONDS = 0.05  # per dtype and round, after one warm-up call
 PROBE_ROUNDS = 3  # the dtypes take turns; each keeps its best round, so a burst of other work hits one round only
-PROBE_VERSION = 1  # bump when the probe changes, so cached rates of the old one are not read
+PROBE_VERSION = 2  # bump when the probe changes, so cached rates of the old one are not read
 
 
 @dataclass(frozen=True)
