@@ -159,6 +159,21 @@ def test_episode_rewards_and_per_turn_sums() -> None:
     assert summed.rewards.tolist() == [e.outcome + 0.25 * 3 for e in episodes]
 
 
+def test_a_truncated_episode_drops_its_turn_rewards_under_zero() -> None:
+    # Rewarded steps cut off by max_turns: under `zero` the whole episode scores 0 (a process reward must not
+    # pay for running to the limit); under `unscorable` it is left out, turn rewards or not.
+    llm = make_llm()
+    play = runner(llm, env=lambda: ScriptedEnv(turns=10, turn_reward=0.25), max_turns=2)
+    episodes, _ = play.run(ROWS, [1, 2])
+    assert all(e.truncated and sum(e.turn_rewards) > 0 for e in episodes)
+    summed = score_groups(episodes_to_batch(episodes, 1, play.chat, "zero", "sum"), [], None)
+    assert summed.rewards.tolist() == [0.0, 0.0]
+    per_turn = episodes_to_batch(episodes, 1, play.chat, "zero", "per_turn")
+    assert per_turn.token_rewards is not None and all(not any(r) for r in per_turn.token_rewards)
+    unscorable = score_groups(episodes_to_batch(episodes, 1, play.chat, "unscorable", "sum"), [], None)
+    assert unscorable.rewards.isnan().all()
+
+
 def test_the_seed_alone_decides_an_episode() -> None:
     llm = make_llm()
     first, _ = runner(llm, workers=1).run(ROWS * 2, [1, 2, 3, 4])

@@ -310,6 +310,9 @@ class EvalSection:
     every: int = 0  # also evaluate every N steps (0: only before and after)
     before: bool = True  # evaluate before the first step
     max_tokens: int | None = None  # None: rollout.max_tokens
+    # Write <run>/best (and best.json) at each evaluation that beats the best held-out accuracy so far: the
+    # model to keep when the run drifts after its peak (posttrain.trainers.rl.best)
+    save_best: bool = False
 
     def validate(self) -> None:
         need(self.every >= 0, f"every must be >= 0, got {self.every}")

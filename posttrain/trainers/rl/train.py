@@ -15,23 +15,26 @@ from typing import Any
 from torch import nn
 from tqdm.auto import tqdm
 
-from posttrain.distributed.env import barrier, broadcast_object, is_main
+from posttrain.distributed.env import broadcast_object, is_main
 from posttrain.envs import Environment
 from posttrain.envs.tool_calls import ToolCallParser
 from posttrain.errors import PosttrainError
 from posttrain.rollout.episode_batch import EpisodeGroups, episode_metrics
 from posttrain.rollout.evaluate import evaluate
 from posttrain.rollout.generate import generate_groups
-from posttrain.trainers.adapters import save_final_dir, save_final_parallel
+from posttrain.run_dir import final_dir
 from posttrain.trainers.loop import run_steps
+from posttrain.trainers.rl.best import BestModel
 from posttrain.trainers.rl.config import GRPOConfig, PPOConfig, RLConfig
-from posttrain.trainers.rl.ppo import save_value_head
 from posttrain.trainers.rl.rollout_procs import ProcessRollout, join_rollout_link, serve_rollouts
 from posttrain.trainers.rl.run import RLRun, rollout_weights, setup_run
+from posttrain.trainers.rl.save import save_run_model
 from posttrain.trainers.rl.step import rl_step
 
 
-def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
+def _evaluate(run: RLRun, step: int, best: BestModel | None) -> dict[str, Any]:
+    """The held-out greedy evaluation at `step` (its samples in <run>/eval-stepN.jsonl); with `best`
+    (eval.save_best) a better accuracy than any before writes <run>/best."""
     if not run.held_out:
         return {}
     start = time.perf_counter()
@@ -53,6 +56,8 @@ def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
         )
     if episodes is not None:
         metrics.update({f"eval/{key}": value for key, value in episode_metrics(episodes.take_log()).items()})
+    if best is not None and best.offer(step, metrics["eval/accuracy"]):
+        metrics["eval/best_saved"] = 1.0
     metrics["time/eval_s"] = time.perf_counter() - start
     if not is_main():
         return metrics
@@ -66,27 +71,11 @@ def _evaluate(run: RLRun, step: int) -> dict[str, Any]:
     return metrics
 
 
-def _save_final(run: RLRun) -> Path:
-    # The PEFT adapter with LoRA / QLoRA, else an HF directory; the value head goes beside either.
-    if run.parallel is not None and run.parallel.wrapped is not None:
-        out = save_final_parallel(run.parallel, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
-        if run.value_head is not None:
-            head = run.parallel.whole(run.value_head)  # fsdp2: gathered on rank 0; ddp: the same on every rank
-            if is_main():
-                save_value_head(head, out)
-            barrier()
-        return out
-    out = save_final_dir(run.model, run.tokenizer, run.run_dir, base_model=run.cfg.model.name_or_path)
-    if run.value_head is not None:
-        save_value_head(run.value_head, out)
-    return out
-
-
 # What the progress bar shows beside the loss, lr and tokens/s: {label: metric key}
 HEADLINE = {"reward": "reward/mean", "acc": "eval/accuracy", "len": "response_len/mean", "s/step": "time/step_s"}
 
 
-def _run_steps(run: RLRun, started: float, eval_s: float, desc: str) -> int:
+def _run_steps(run: RLRun, started: float, eval_s: float, desc: str, best: BestModel | None) -> int:
     """`rl_step` from the run's start to train.max_steps through the shared step loop (bar, records, checkpoints),
     whose stop hook ends the run when the next step, the final evaluation (about `eval_s`) and the save no
     longer fit in train.max_minutes counted from `started`; returns the steps done. The periodic evaluations
@@ -105,7 +94,7 @@ def _run_steps(run: RLRun, started: float, eval_s: float, desc: str) -> int:
         done = index + 1
         step_times.append(metrics["time/step_s"])
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.max_steps:
-            metrics.update(_evaluate(run, done))
+            metrics.update(_evaluate(run, done, best))
         metrics["time/elapsed_min"] = (time.perf_counter() - started) / 60
         run.history.append(metrics)
         return metrics
@@ -151,28 +140,31 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
     if link is not None:  # the trainer takes its batches from the rollout processes from the first step on
         run.async_rollout = ProcessRollout(run, link)
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "algorithm": run.algo.name}
+    best = BestModel(run.run_dir, lambda out: save_run_model(run, out)) if cfg.eval.save_best else None
     try:
         eval_s = 0.0
         if cfg.eval.before and run.held_out and run.start_step == 0:
-            before = _evaluate(run, 0)
+            before = _evaluate(run, 0, best)
             eval_s = before["time/eval_s"]
             if run.logger is not None:
                 run.logger.log(0, before)
             summary["accuracy_before"] = before["eval/accuracy"]
         try:
-            step = _run_steps(run, started, eval_s, desc=f"{command} ({run.algo.name})")
+            step = _run_steps(run, started, eval_s, desc=f"{command} ({run.algo.name})", best=best)
         finally:  # async: the rollout thread stops (after its batch in flight) before the engine is used again
             if run.async_rollout is not None:
                 run.async_rollout.close()
                 run.async_rollout = None
         summary["steps"] = step
         if run.held_out:
-            after = _evaluate(run, step)
+            after = _evaluate(run, step, best)
             if run.logger is not None:
                 run.logger.log(step, after)
             summary["accuracy_after"] = after["eval/accuracy"]
         if cfg.save_final:
-            summary["final"] = str(_save_final(run))
+            summary["final"] = str(save_run_model(run, final_dir(run.run_dir), export=True))
+        if best is not None and best.step is not None:
+            summary["best"] = {"step": best.step, "accuracy": best.accuracy, "dir": str(run.run_dir / "best")}
         summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
         if is_main():
             (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -185,6 +177,11 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
             f"held-out greedy accuracy: {before_text}{summary['accuracy_after']:.1%} "
             f"({summary['steps']} steps, {summary['minutes']} min); run: {run.run_dir}"
         )
+        if "best" in summary:
+            print(
+                f"best held-out accuracy {summary['best']['accuracy']:.1%} at step {summary['best']['step']}: "
+                f"{summary['best']['dir']}"
+            )
     return run.run_dir
 
 
