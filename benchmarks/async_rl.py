@@ -1,7 +1,8 @@
 """Asynchronous RL against sync, same wall time each: steps per hour and held-out accuracy, alternated rounds.
 
 Each run is `posttrain grpo` trained `--minutes` of wall time (the run's `train.max_minutes`), in this process:
-`rollout.mode=sync`, and `rollout.mode=async` with `rollout.max_staleness` 1 and 2. Every run seeds its prompts
+`rollout.mode=sync`, and the `--modes` chosen (default: `rollout.mode=async` with `rollout.max_staleness` 1 and 2;
+`async_fill` / `async_k2_fill`: the same with `rollout.async_fill=0.5`). Every run seeds its prompts
 (`rollout.seed_prompts`), skips the held-out evaluation before training (the runs differ only in how they train)
 and ends with the config's held-out greedy evaluation. All runs of one invocation share the precision
 (`--precision fp32`, the default: `model.dtype=float32`; `bf16`: `model.dtype=auto`, refused on a CPU without
@@ -13,7 +14,8 @@ Cases (`--cases`):
                 one call per step's batch
   tool_latency  the multi-turn word-problems agent (examples/agent_word_problems.yaml, from `--tool-start`)
                 with `env.tool_latency_s` 0 and each of `--tool-latency` (0.5, 2): every answered turn of every
-                episode waits that long without using the CPU, as a remote tool or sandbox would
+                episode waits that long without using the CPU, as a remote tool or sandbox would (env.workers 48:
+                every episode in flight may wait at once)
 
 Noise: every run of the invocation (case x setting x mode) is one side of `alternation.alternate`, `--rounds`
 times (default 2), in order in even rounds and reversed in odd ones; the figures are medians over the rounds,
@@ -33,6 +35,7 @@ accuracy no lower than sync's; of issue 25: plain `speedup` >= 1.3 at k = 1.
 
     .venv/bin/python benchmarks/async_rl.py                                   # plain, slow_reward; 2 rounds x 10 min
     .venv/bin/python benchmarks/async_rl.py --cases tool_latency --minutes 5  # needs runs/word-problems-sft/final
+    .venv/bin/python benchmarks/async_rl.py --cases tool_latency --modes sync,async_fill,async_k2_fill
     .venv/bin/python benchmarks/async_rl.py --minutes 1 --rounds 1 --cases plain --set data.eval_size=20  # smoke
 Any `--set key=value` is passed to every run as a config override. On a 2-core CPU the rollout and the update
 share the same two cores, so async can hide waits (rewards, tools) but gains little on compute alone.
@@ -59,7 +62,19 @@ from alternation import alternate, ratio_summary  # noqa: E402
 from matching import COMPUTE_NAMES, PRECISION_ARGUMENT, posttrain_model_dtype, side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = (("sync", "sync", 0), ("async", "async", 1), ("async_k2", "async", 2))  # (name, rollout.mode, max_staleness)
+# name -> (rollout.mode, rollout.max_staleness, overrides); the *_fill modes start the next steps' prompts or episodes
+# while this step's still run or wait on tools (rollout.async_fill, rollout/episode_fill.py)
+MODES: dict[str, tuple[str, int, list[str]]] = {
+    "sync": ("sync", 0, []),
+    "async": ("async", 1, []),
+    "async_k2": ("async", 2, []),
+    "async_fill": ("async", 1, ["rollout.async_fill=0.5"]),
+    "async_k2_fill": ("async", 2, ["rollout.async_fill=0.5"]),
+}
+DEFAULT_MODES = "sync,async,async_k2"
+# tool_latency: environment workers enough for every episode in flight (3 steps of 16) to wait at once, as on a
+# remote service that serves its callers concurrently (a waiting episode holds a worker: posttrain/envs/latency.py)
+TOOL_WORKERS = 48
 CASES = ("plain", "slow_reward", "tool_latency")
 TOOL_CONFIG = ROOT / "examples" / "agent_word_problems.yaml"
 SLOW_REWARD = """
@@ -125,7 +140,8 @@ def settings(cases: list[str], args: argparse.Namespace, root: Path) -> dict[str
         else:
             start = [f"model.name_or_path={args.tool_start}"] if args.tool_start else []
             for latency in (0.0, *args.tool_latency):
-                overrides = [*precision, *start, f"env.tool_latency_s={latency}", *args.set]
+                overrides = [*precision, *start, f"env.tool_latency_s={latency}", f"env.workers={TOOL_WORKERS}"]
+                overrides += args.set
                 found[f"tool_latency_{latency:g}"] = (TOOL_CONFIG, overrides)
     return found
 
@@ -174,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tool-start", default="runs/word-problems-sft/final", help="tool_latency: the model to start from"
     )
+    parser.add_argument(
+        "--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)} (sync always runs)"
+    )
     parser.add_argument("--precision", **PRECISION_ARGUMENT)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")
@@ -187,6 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    modes = ["sync", *[m for m in modes if m != "sync"]]  # the ratios' baseline
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if any(latency <= 0 for latency in args.tool_latency):
@@ -202,17 +226,21 @@ def main(argv: list[str] | None = None) -> None:
         "minutes": args.minutes,
         "rounds": args.rounds,
         "precision": args.precision,
+        "modes": {name: MODES[name] for name in modes},
         "sides": {"posttrain": side(COMPUTE_NAMES[args.precision], torch.get_num_threads())},
         "load_before": [round(x, 2) for x in os.getloadavg()],
     }
     results: dict[str, list[dict]] = {}
     sides: dict[str, Callable[[], float]] = {}
     for label, (config, overrides) in settings(cases, args, root).items():
-        for name, mode, staleness in MODES:
+        for name in modes:
+            mode, staleness, mode_overrides = MODES[name]
             key = f"{label}/{name}"
             results[key] = []
 
-            def one(key=key, config=config, overrides=overrides, mode=mode, staleness=staleness) -> float:  # noqa: ANN001
+            def one(
+                key=key, config=config, overrides=overrides + mode_overrides, mode=mode, staleness=staleness
+            ) -> float:  # noqa: ANN001
                 out = root / f"{key.replace('/', '-')}-{len(results[key]) + 1}"
                 result = run_one(out, config, mode, staleness, args.minutes, overrides)
                 results[key].append(result)

@@ -125,36 +125,83 @@ class EpisodeRunner:
         self.end_ids = engine.eos_token_ids  # end-of-turn tokens, whose text the chat template writes
         self.requests: dict[str, Episode] = {}  # engine request id -> its episode
         self.calls: dict[Future, _Call] = {}
+        self.pool: EnvWorkers | None = None  # started by the first `start`, stopped by `close`
+        self._parked: list[Episode] = []  # episodes whose turn `park` took out of the engine
 
     def run(self, rows: list[Mapping[str, Any]], seeds: list[int | None]) -> tuple[list[Episode], EpisodeTiming]:
-        """One episode per (row, seed), in that order."""
-        episodes = [Episode(row=row, seed=seed) for row, seed in zip(rows, seeds)]
-        timing = EpisodeTiming()
-        start = time.perf_counter()
-        pool = EnvWorkers(self.workers)
-        self.requests, self.calls = {}, {}
+        """One episode per (row, seed), in that order, played to their ends; the runner is closed after."""
         try:
-            for episode in episodes:
-                self._call(pool, episode, "open", lambda e=episode: self._open(e))
-            with self.engine.runner.malloc_scope():
-                while self.requests or self.calls:
-                    if self.requests:
-                        for output in self.engine.step():
-                            self._model_turn(pool, self.requests.pop(output.request_id), output.outputs[0], output)
-                    else:
-                        waited = time.perf_counter()
-                        nearest = min(call.deadline for call in self.calls.values())
-                        with self.engine.waiting():  # no runnable sequence: async RL lends the cores out
-                            wait(list(self.calls), timeout=max(0.0, nearest - waited), return_when=FIRST_COMPLETED)
-                        timing.idle_s += time.perf_counter() - waited
-                    self._collect(pool)
+            episodes = self.start(rows, seeds)
+            return episodes, self.finish(episodes)
         finally:
-            for request_id in self.requests:
-                self.engine.abort_request(request_id)
-            pool.close()
+            self.close()
+
+    def start(self, rows: list[Mapping[str, Any]], seeds: list[int | None]) -> list[Episode]:
+        """Open one episode per (row, seed): they advance whenever the runner is driven (`finish`), alongside
+        every other episode started on it."""
+        if self.pool is None:
+            self.pool = EnvWorkers(self.workers)
+        episodes = [Episode(row=row, seed=seed) for row, seed in zip(rows, seeds)]
+        for episode in episodes:
+            self._call(episode, "open", lambda e=episode: self._open(e))
+        return episodes
+
+    def finish(self, episodes: list[Episode], before_step: Callable[[], None] | None = None) -> EpisodeTiming:
+        """Drive the engine and the environments until every one of `episodes` has ended; episodes started
+        before or meanwhile (`before_step` may start some) advance too and stay in flight."""
+        timing = EpisodeTiming()
+        start, busy = time.perf_counter(), self.pool.busy_s if self.pool is not None else 0.0
+        with self.engine.runner.malloc_scope():
+            while not all(self._ended(episode) for episode in episodes):
+                if before_step is not None:
+                    before_step()
+                if self.requests:
+                    for output in self.engine.step():
+                        self._model_turn(self.requests.pop(output.request_id), output.outputs[0], output)
+                elif self.calls:
+                    waited = time.perf_counter()
+                    nearest = min(call.deadline for call in self.calls.values())
+                    with self.engine.waiting():  # no runnable sequence: async RL lends the cores out
+                        wait(list(self.calls), timeout=max(0.0, nearest - waited), return_when=FIRST_COMPLETED)
+                    timing.idle_s += time.perf_counter() - waited
+                else:
+                    raise PosttrainError("episodes left without a turn or an environment call (parked?)")
+                self._collect()
         timing.wall_s = time.perf_counter() - start
-        timing.env_s = pool.busy_s
-        return episodes, timing
+        timing.env_s = (self.pool.busy_s if self.pool is not None else 0.0) - busy
+        return timing
+
+    def _ended(self, episode: Episode) -> bool:
+        """Ended, its last environment call (the reward) returned: nothing of it is in flight."""
+        return bool(episode.finish) and all(call.episode is not episode for call in self.calls.values())
+
+    def num_decoding(self) -> int:
+        """Episodes with a turn in the engine or opening (their first turn next): those not waiting on a tool."""
+        return len(self.requests) + sum(call.kind == "open" for call in self.calls.values())
+
+    def park(self) -> None:
+        """Take every episode's turn out of the engine (aborted, its blocks freed), so another caller can drive
+        the engine alone; `unpark` asks for the same turns again (same seeds: the tokens depend on the weights
+        only). A turn is only added to its episode when it finishes, so nothing of a parked turn is lost.
+        Environment calls go on meanwhile."""
+        for request_id, episode in self.requests.items():
+            self.engine.abort_request(request_id)
+            self._parked.append(episode)
+        self.requests = {}
+
+    def unpark(self) -> None:
+        parked, self._parked = self._parked, []
+        for episode in parked:
+            self._request(episode)
+
+    def close(self) -> None:
+        """Abort what is in flight and stop the workers (a call still running finishes on its own thread)."""
+        for request_id in self.requests:
+            self.engine.abort_request(request_id)
+        self.requests, self.calls, self._parked = {}, {}, []
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     # ---- environment calls ---------------------------------------------------------------------------
 
@@ -162,10 +209,10 @@ class EpisodeRunner:
         episode.env = self.make_env()
         return episode.env.reset(episode.row)
 
-    def _call(self, pool: EnvWorkers, episode: Episode, kind: str, fn: Callable[[], Any]) -> None:
-        self.calls[pool.submit(fn)] = _Call(episode, kind, time.perf_counter() + self.limits.step_timeout_s)
+    def _call(self, episode: Episode, kind: str, fn: Callable[[], Any]) -> None:
+        self.calls[self.pool.submit(fn)] = _Call(episode, kind, time.perf_counter() + self.limits.step_timeout_s)
 
-    def _collect(self, pool: EnvWorkers) -> None:
+    def _collect(self) -> None:
         """Handle every call that returned, and end the episodes of calls past their deadline."""
         now = time.perf_counter()
         for future, call in list(self.calls.items()):
@@ -175,24 +222,24 @@ class EpisodeRunner:
                 if error is not None:
                     call.episode.error = f"{call.kind}: {type(error).__name__}: {error}"
                     call.episode.counts["env_errors"] += 1
-                    self._end(pool, call.episode, "env_error")
+                    self._end(call.episode, "env_error")
                 elif call.kind == "open":
                     self._opened(call.episode, future.result())
                 elif call.kind == "step":
-                    self._stepped(pool, call.episode, future.result())
+                    self._stepped(call.episode, future.result())
                 else:
                     call.episode.outcome = _reward_value(future.result())
             elif now > call.deadline:
                 del self.calls[future]
-                pool.abandon(future)
+                self.pool.abandon(future)
                 call.episode.counts["env_timeouts"] += 1
-                self._end(pool, call.episode, "env_timeout")
+                self._end(call.episode, "env_timeout")
 
-    def _end(self, pool: EnvWorkers, episode: Episode, finish: str) -> None:
+    def _end(self, episode: Episode, finish: str) -> None:
         """Ask an episode that ended well (done) for its reward; any other end is final now."""
         episode.finish = finish
         if finish == "done":
-            self._call(pool, episode, "reward", episode.env.episode_reward)
+            self._call(episode, "reward", episode.env.episode_reward)
 
     # ---- the episode's token sequence ----------------------------------------------------------------
 
@@ -220,7 +267,7 @@ class EpisodeRunner:
         self.requests[request_id] = episode
         self.engine.add_request(request_id, episode.prompt_ids + episode.ids, params)
 
-    def _model_turn(self, pool: EnvWorkers, episode: Episode, sample: Any, output: Any) -> None:
+    def _model_turn(self, episode: Episode, sample: Any, output: Any) -> None:
         if episode.num_turns:
             episode.reused_tokens += output.num_cached_tokens
             episode.history_tokens += len(output.prompt_token_ids)
@@ -232,31 +279,31 @@ class EpisodeRunner:
         episode.token_versions += list(sample.token_policy_versions)
         if sample.finish_reason != "stop":  # no end-of-turn token: cut off by max_tokens or the episode's budget
             full = len(episode.ids) >= self.limits.max_episode_tokens
-            self._end(pool, episode, "max_episode_tokens" if full else "turn_length")
+            self._end(episode, "max_episode_tokens" if full else "turn_length")
             return
         turn = self.parser(sample.text, first_call_index=episode.num_calls)
         episode.num_calls += len(turn.tool_calls)
         episode.counts["parse_failures"] += len(turn.errors)
         episode.messages.append(turn.as_message())
-        self._call(pool, episode, "step", lambda: episode.env.step(turn))
+        self._call(episode, "step", lambda: episode.env.step(turn))
 
-    def _stepped(self, pool: EnvWorkers, episode: Episode, step: EnvStep) -> None:
+    def _stepped(self, episode: Episode, step: EnvStep) -> None:
         # The rollout counts parse failures itself (it parsed the turn); the environment's other counts add up.
         episode.counts.update({k: v for k, v in step.counts.items() if k != "parse_failures"})
         if step.reward is not None:
             episode.turn_rewards.append(float(step.reward))
             episode.turn_reward_ends.append(len(episode.ids) - 1)  # the turn's observation is not appended yet
         if step.done:
-            self._end(pool, episode, "done")
+            self._end(episode, "done")
             return
         if episode.num_turns >= self.limits.max_turns:
-            self._end(pool, episode, "max_turns")
+            self._end(episode, "max_turns")
             return
         last = episode.ids[-1]  # the turn's stop token: the template's tail after it is the observation's start
         end_text = self.chat.tokenizer.decode([last], skip_special_tokens=False) if last in self.end_ids else ""
         delta = self.chat.observation_ids(episode.messages, step.observations, end_text)
         if len(episode.ids) + len(delta) >= self.limits.max_episode_tokens:  # no room left for one more token
-            self._end(pool, episode, "max_episode_tokens")
+            self._end(episode, "max_episode_tokens")
             return
         episode.messages += step.observations
         episode.ids += delta

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,7 +83,8 @@ class RolloutProducer(Protocol):
 class ThreadedProducer:
     """Collects steps first_step..last_step in a daemon thread with `collect(step)`, at most `lead` steps ahead of
     the update. `timeout_s`: how long `get` waits for a batch before it gives up (the thread hangs). `start`: start
-    the thread now (else `start()`)."""
+    the thread now (else `start()`). `hold()`: entered inside `exclusive`, once no collection is in flight: what
+    the engine must set aside between collections for another caller (episodes started ahead, parked)."""
 
     def __init__(
         self,
@@ -95,6 +96,7 @@ class ThreadedProducer:
         on_start: Callable[[], None] | None = None,
         cores: CoreShare | None = None,
         start: bool = True,
+        hold: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         if lead < 0:
             raise ValueError(f"lead must be >= 0, got {lead}")
@@ -109,6 +111,7 @@ class ThreadedProducer:
         self._timing = ProducerTiming()
         self._on_start = on_start
         self._cores = cores  # the rollout's share of the cores (None: leave torch's threads alone)
+        self._hold = hold
         self._thread = threading.Thread(target=self._run, args=(first_step,), name="posttrain-rollout", daemon=True)
         if start:
             self._thread.start()
@@ -192,7 +195,8 @@ class ThreadedProducer:
                 f"the rollout thread held the engine for more than {self.timeout_s:g} s (rollout.async_timeout_s)"
             )
         try:
-            yield
+            with self._hold() if self._hold is not None else nullcontext():
+                yield
         finally:
             self._engine.release()
 

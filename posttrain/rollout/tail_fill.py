@@ -18,13 +18,13 @@ What stays as without the fill:
 What changes with k >= 1: a sample admitted early is decoded under the weights of that moment (older, within the
 bound) and in another batch; with k = 0 the producer never lets step s + 1 start during step s, so nothing changes.
 
-Not for multi-turn episodes (their loop steps the engine itself, turn by turn): the fill is off with `env`.
+Multi-turn episodes step the engine themselves, turn by turn: their fill is `rollout.episode_fill.EpisodeFill`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,11 @@ class TailFill:
         self._ahead[following] = admitted
         self.log.steps.append(following)
         self.log.unfinished_before.append(unfinished)
+
+    def parked(self) -> AbstractContextManager:
+        """Nothing to set aside while another caller drives the engine: `LLM.collect` keeps the outputs of requests
+        it did not submit for their own collect."""
+        return nullcontext()
 
     def close(self) -> None:
         """Drop the rounds submitted ahead that no collection took (the run ended first)."""

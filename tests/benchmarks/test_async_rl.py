@@ -3,6 +3,7 @@ derives (medians over rounds, async/sync speedups with their spread, the rate ke
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def test_tool_latency_runs_the_word_problems_agent_with_and_without_the_wait(tmp
         "model.dtype=float32",
         "model.name_or_path=runs/word-problems-sft/final",
         "env.tool_latency_s=2.0",
+        "env.workers=48",  # every episode in flight may wait at once
         "a.b=1",
     ]
 
@@ -65,6 +67,7 @@ def test_summary_takes_medians_and_per_round_ratios() -> None:
     [
         (["--cases", "plain,fast"], "--cases: unknown fast"),
         (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--modes", "sync,async_k3"], "--modes: unknown async_k3"),
         (["--cases", "tool_latency", "--tool-latency", "0"], "each value must be > 0"),
         (["--cases", "tool_latency", "--tool-start", "no/such/model"], "--tool-start no/such/model: not found"),
     ],
@@ -73,3 +76,21 @@ def test_bad_arguments_are_one_line(argv: list[str], error: str, capsys) -> None
     with pytest.raises(SystemExit):
         async_rl.main(argv)
     assert error in capsys.readouterr().err
+
+
+def test_modes_choose_the_runs_and_sync_always_runs_first(tmp_path: Path, monkeypatch, capsys) -> None:
+    calls = []
+
+    def fake_run(out, config, mode, staleness, minutes, extra):
+        calls.append((out.name, mode, staleness, extra[-1]))
+        return _run(100.0 + staleness)
+
+    monkeypatch.setattr(async_rl, "run_one", fake_run)
+    async_rl.main(["--cases", "plain", "--modes", "async_k2_fill", "--rounds", "1", "--out", str(tmp_path)])
+    assert calls == [
+        ("plain-sync-1", "sync", 0, "model.dtype=float32"),
+        ("plain-async_k2_fill-1", "async", 2, "rollout.async_fill=0.5"),
+    ]
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["runs"]) == {"plain/sync", "plain/async_k2_fill"}
+    assert report["speedup"]["plain/async_k2_fill"]["ratio_min"] == 1.02

@@ -1,5 +1,6 @@
 """Async training hides environment latency: with `env.tool_latency_s` the sync run's steps grow by the waits,
-the async run's (k = 1) barely, since its rollout waits while the previous step's update computes."""
+the async run's (k = 1) barely, since its rollout waits while the previous step's update computes; and where the
+rollout is the longer side (a fast update), the episode fill hides the waits behind the next steps' episodes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ UPDATE_S = 0.6  # the update's compute, stood in by a sleep: longer than a rollo
 STEPS = 4  # the first is left out of the timing (the async rollout starts with it)
 
 
-def _timed_steps(tmp_path: Path, name: str, mode: str, latency: float) -> float:
+def _timed_steps(tmp_path: Path, name: str, mode: str, latency: float, *extra: str) -> float:
     cfg = load_config(
         GRPOConfig,
         None,
@@ -41,6 +42,7 @@ def _timed_steps(tmp_path: Path, name: str, mode: str, latency: float) -> float:
             "env.max_episode_tokens=60",
             "env.workers=6",  # every episode waits at once, as on a remote service
             f"env.tool_latency_s={latency}",
+            *extra,
         ],
     )
     run = setup_run(
@@ -76,3 +78,14 @@ def test_async_hides_most_of_the_tool_latency_that_sync_pays(tmp_path: Path, slo
     # Bounds far from both outcomes: sync pays the whole wait (0.9 s), async hides it behind the 0.6 s updates.
     assert sync_added >= 0.5 * expected, (sync_added, expected)
     assert async_added <= 0.35 * expected, (async_added, expected)
+
+
+def test_the_episode_fill_hides_waits_when_the_rollout_is_the_longer_side(tmp_path: Path) -> None:
+    """A fast update: async alone cannot hide the rollout's waits (they are its critical path); with
+    rollout.async_fill the next steps' episodes (k = 2: up to two steps ahead) decode and wait meanwhile."""
+    k2, latency = ("rollout.max_staleness=2", "env.workers=18"), 0.3
+    plain = _timed_steps(tmp_path, "fill-off", "async", latency, *k2, "rollout.async_fill=0")
+    filled = _timed_steps(tmp_path, "fill-on", "async", latency, *k2, "rollout.async_fill=0.5")
+    waits = (STEPS - 1) * 2 * latency  # what the timed steps wait without overlap: 1.8 s
+    assert plain >= 0.8 * waits, (plain, waits)  # without the fill the waits stay on the path
+    assert filled <= plain - 0.5 * waits, (filled, plain, waits)  # the fill hides a good part of them

@@ -37,6 +37,7 @@ from posttrain.errors import ConfigError
 from posttrain.rollout.batch import RolloutBatch, concat_batches
 from posttrain.rollout.collect import prompt_seed_base
 from posttrain.rollout.core_share import CoreShare
+from posttrain.rollout.episode_fill import EpisodeFill
 from posttrain.rollout.generate import generate_groups
 from posttrain.rollout.producer import ProducedBatch, ThreadedProducer
 from posttrain.rollout.prompts import PromptSource
@@ -199,6 +200,7 @@ class AsyncRollout(StepConsumer):
             timeout_s=cfg.rollout.async_timeout_s,
             cores=self.cores,
             start=False,
+            hold=self.fill.parked if self.fill is not None else None,
         )
         super().__init__(run, producer, k)
         producer.start()  # the tail fill asks self.producer whether the bound lets the next step start
@@ -238,11 +240,12 @@ class AsyncRollout(StepConsumer):
         torch.set_num_threads(self.threads_before)
 
 
-def tail_fill(run: Any, lead: int, may_start: Callable[[int], bool]) -> TailFill | None:
-    """The run's `TailFill` (rollout/tail_fill.py), or None where it is off: `rollout.async_fill` 0, a rollout that
-    cannot run ahead (lead 0, e.g. k = 0), episodes, or DAPO dynamic sampling (its refills draw after the fill)."""
+def tail_fill(run: Any, lead: int, may_start: Callable[[int], bool]) -> TailFill | EpisodeFill | None:
+    """The run's tail fill: `TailFill` (rollout/tail_fill.py) for single-turn prompts, `EpisodeFill`
+    (rollout/episode_fill.py) for episodes; None where it is off: `rollout.async_fill` 0, a rollout that cannot
+    run ahead (lead 0, e.g. k = 0), or DAPO dynamic sampling (its refills draw after the fill)."""
     cfg = run.cfg
-    if cfg.rollout.async_fill == 0 or lead == 0 or run.episodes is not None or run.algo.dynamic_sampling:
+    if cfg.rollout.async_fill == 0 or lead == 0 or run.algo.dynamic_sampling:
         return None
 
     def draw(step: int, n: int) -> list[dict[str, Any]]:
@@ -250,16 +253,17 @@ def tail_fill(run: Any, lead: int, may_start: Callable[[int], bool]) -> TailFill
             run.source.begin_step(step)
         return run.source.sample(n)
 
-    return TailFill(
+    args = (
         run.llm,
         run.params,
         cfg.rollout.prompts_per_step,
         draw,
         lambda step: prompt_seed_base(cfg.train.seed, step),
-        may_start,
-        last_step=cfg.train.max_steps,
-        fraction=cfg.rollout.async_fill,
     )
+    bounds = {"may_start": may_start, "last_step": cfg.train.max_steps, "fraction": cfg.rollout.async_fill}
+    if run.episodes is not None:
+        return EpisodeFill(run.episodes, *args, **bounds)
+    return TailFill(*args, **bounds)
 
 
 def regenerate_groups(run: Any, step: int, stale: RolloutBatch) -> RolloutBatch:

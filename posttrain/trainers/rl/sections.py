@@ -90,10 +90,11 @@ class RolloutSection:
     # version). recompute: re-prefill everything they hold under the new weights first (exact K/V, more compute).
     running_kv: Literal["keep", "recompute"] = "keep"
     async_timeout_s: float = 600.0  # async: the trainer stops with an error when no batch comes within this
-    # async, single-turn, without dynamic sampling: once at most this share of a step's samples are still generating
-    # and the bound lets the rollout start the next step (k >= optimizer steps per RL step), the next step's prompts
-    # join the same engine batch (its tail would otherwise decode at a tiny batch). 1: at once; 0: off, the default
-    # until it measures faster (on 2 cores it did not: docs/rl.md).
+    # async, without dynamic sampling: once at most this share of a step's samples are still generating (episodes:
+    # have a turn generating, the rest wait on tools or ended) and the bound lets the rollout start the next step
+    # (k >= optimizer steps per RL step), the next step's prompts join the same engine batch (single-turn: its tail
+    # would otherwise decode at a tiny batch; episodes: they decode while this step's wait on their tools).
+    # 1: at once; 0: off, the default (single-turn on 2 cores it measured no faster: docs/rl.md).
     async_fill: float = 0.0
     # The engine over the live policy. max_model_len and max_num_seqs left at their defaults are set
     # from max_prompt_tokens + max_tokens and max(batch, data.eval_size) (a KV pool that fits, no more).
