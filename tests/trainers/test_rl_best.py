@@ -64,7 +64,9 @@ def test_the_run_writes_the_model_of_its_best_evaluation(tmp_path: Path, monkeyp
     monkeypatch.setattr(rl, "evaluate", scripted)
     monkeypatch.setattr(rl, "rl_step", step)
     extra = ("train.max_steps=2", "data.eval_size=2", "eval.every=1", "eval.save_best=true", "optim.lr=1e-2")
-    run_dir = train_grpo(load_config(GRPOConfig, None, rl_overrides(tmp_path, "best", *extra)), model=model, tokenizer=tok)
+    run_dir = train_grpo(
+        load_config(GRPOConfig, None, rl_overrides(tmp_path, "best", *extra)), model=model, tokenizer=tok
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best"]["step"] == 1 and summary["best"]["accuracy"] == pytest.approx(0.5)
     assert best_record(run_dir) == {"step": 1, "accuracy": 0.5}
