@@ -23,7 +23,7 @@ the engine and asks for them again after (same seeds), while the environments' c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +33,7 @@ from posttrain.rollout.batch import RolloutBatch
 from posttrain.rollout.episode_batch import EpisodeGroups, episodes_to_batch
 from posttrain.rollout.episodes import Episode, EpisodeRunner
 from posttrain.rollout.generate import EngineCall
-from posttrain.rollout.tail_fill import FillLog
+from posttrain.rollout.tail_fill import FillLog, FillPlan
 
 
 @dataclass
@@ -53,30 +53,14 @@ class AdmittedEpisodes:
 
 class EpisodeFill:
     """Plays the rollout thread's episodes on one persistent runner (a `GroupGenerator` for `collect_rollout`, plus
-    `take` for a step's admitted round) and starts the next step's episodes while this step's wait on tools.
+    `take` for a step's admitted round) and starts the next steps' episodes while this step's wait on tools, as
+    `plan` says (its `fraction` counted in episodes with a turn generating). `groups`: the run's `EpisodeGroups`
+    (its options, and the log the step's metrics read)."""
 
-    `groups`: the run's `EpisodeGroups` (its options, and the log the step's metrics read); `draw(step, n)`,
-    `seed_base(step)`, `may_start(step)`, `fraction`: as `TailFill`'s, counted in episodes with a turn generating."""
-
-    def __init__(
-        self,
-        groups: EpisodeGroups,
-        llm: LLM,
-        params: SamplingParams,
-        num_prompts: int,
-        draw: Callable[[int, int], list[dict[str, Any]]],
-        seed_base: Callable[[int], int],
-        may_start: Callable[[int], bool],
-        last_step: int,
-        fraction: float,
-    ) -> None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    def __init__(self, groups: EpisodeGroups, llm: LLM, plan: FillPlan) -> None:
         o = groups.options
-        self.groups, self.params, self.num_prompts = groups, params, num_prompts
-        self.runner = EpisodeRunner(llm.engine, o.chat, o.make_env, o.parser, params, o.limits, o.workers)
-        self.draw, self.seed_base, self.may_start = draw, seed_base, may_start
-        self.last_step, self.fraction = last_step, fraction
+        self.groups, self.plan, self.params = groups, plan, plan.params
+        self.runner = EpisodeRunner(llm.engine, o.chat, o.make_env, o.parser, plan.params, o.limits, o.workers)
         self.log = FillLog()
         self._ahead: dict[int, AdmittedEpisodes] = {}
         self._step = 0  # the step being collected
@@ -123,16 +107,15 @@ class EpisodeFill:
         """Before each engine step of a step's collection: start the next step not started yet when at most
         `fraction` of one step's episodes have a turn generating (over every step in flight) and the bound lets
         the rollout start it. With a bound of k steps ahead, up to k steps after the current one are in flight."""
+        plan = self.plan
         following = max(self._step, *self._ahead) + 1 if self._ahead else self._step + 1
-        if following > self.last_step or not self._current:
+        if following > plan.last_step or not self._current:
             return
         generating = self.runner.num_decoding()  # with a turn in the engine or opening, whichever step they are of
-        if generating > self.fraction * len(self._current) or not self.may_start(following):
+        if generating > plan.fraction * len(self._current) or not plan.may_start(following):
             return
-        rows = self.draw(following, self.num_prompts)
-        base, n = self.seed_base(following), self.params.n
-        episodes = self._start(rows, [base + place * n for place in range(len(rows))])  # as collect_rollout seeds
-        self._ahead[following] = AdmittedEpisodes(following, rows, episodes, generating, self)
+        rows, seeds = plan.first_round(following)
+        self._ahead[following] = AdmittedEpisodes(following, rows, self._start(rows, seeds), generating, self)
         self.log.steps.append(following)
         self.log.unfinished_before.append(generating)
 

@@ -59,31 +59,40 @@ class FillLog:
     unfinished_before: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FillPlan:
+    """What a fill (this module's `TailFill`, rollout/episode_fill.py's `EpisodeFill`) needs to start a later step
+    ahead: `draw(step, n)`: step `step`'s first n prompts (the prompt source's draw, with its checkpoint
+    bookkeeping); `seed_base(step)`: the seed of the step's first prompt; `may_start(step)`: whether the staleness
+    bound lets the rollout start `step` now; `fraction`: start once at most this share of the current step's
+    samples are still generating (1: at once, 0.5: when half have finished)."""
+
+    params: SamplingParams
+    num_prompts: int
+    draw: Callable[[int, int], list[dict[str, Any]]]
+    seed_base: Callable[[int], int]
+    may_start: Callable[[int], bool]
+    last_step: int
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+
+    def first_round(self, step: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """Step `step`'s first round drawn now: its rows and their seeds, as collect_rollout seeds a step's first
+        round (prompt p: seed_base(step) + p * n)."""
+        rows = self.draw(step, self.num_prompts)
+        base, n = self.seed_base(step), self.params.n
+        return rows, [base + place * n for place in range(len(rows))]
+
+
 class TailFill:
     """Drives the rollout thread's engine calls (a `GroupGenerator` for `collect_rollout`, plus `take` for a step's
-    admitted round) and submits the next step's first round into the current step's tail.
+    admitted round) and submits the next step's first round into the current step's tail, as `plan` says."""
 
-    `draw(step, n)`: step `step`'s first n prompts (the prompt source's draw, with its checkpoint bookkeeping);
-    `seed_base(step)`: the seed of the step's first prompt; `may_start(step)`: whether the staleness bound lets the
-    rollout start `step` now; `fraction`: submit once at most this share of the current step's samples are still
-    generating (1: at once, 0.5: when half have finished)."""
-
-    def __init__(
-        self,
-        llm: LLM,
-        params: SamplingParams,
-        num_prompts: int,
-        draw: Callable[[int, int], list[dict[str, Any]]],
-        seed_base: Callable[[int], int],
-        may_start: Callable[[int], bool],
-        last_step: int,
-        fraction: float,
-    ) -> None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-        self.llm, self.params, self.num_prompts = llm, params, num_prompts
-        self.draw, self.seed_base, self.may_start = draw, seed_base, may_start
-        self.last_step, self.fraction = last_step, fraction
+    def __init__(self, llm: LLM, plan: FillPlan) -> None:
+        self.llm, self.plan, self.params = llm, plan, plan.params
         self.log = FillLog()
         self._ahead: dict[int, AdmittedRound] = {}
         self._step = 0  # the step being collected
@@ -114,19 +123,16 @@ class TailFill:
     def maybe_fill(self) -> None:
         """Before each engine step of the current step's collection: submit the next step's first round when the
         current step's tail is short enough and the bound lets the rollout start it."""
-        following = self._step + 1
-        if following in self._ahead or following > self.last_step or not self._current:
+        following, plan = self._step + 1, self.plan
+        if following in self._ahead or following > plan.last_step or not self._current:
             return
         engine = self.llm.engine
         unfinished = sum(engine.num_unfinished_samples(i) for i in self._current)
-        if unfinished > self.fraction * len(self._current) * self.params.n or not self.may_start(following):
+        if unfinished > plan.fraction * len(self._current) * self.params.n or not plan.may_start(following):
             return
-        rows = self.draw(following, self.num_prompts)
-        base, n = self.seed_base(following), self.params.n
-        seeds = [base + place * n for place in range(len(rows))]  # as collect_rollout seeds the step's first round
+        rows, seeds = plan.first_round(following)
         ids = self.llm.submit([row[PROMPT_KEY] for row in rows], seeded_params(self.params, seeds))
-        admitted = AdmittedRound(following, rows, ids, unfinished, self)
-        self._ahead[following] = admitted
+        self._ahead[following] = AdmittedRound(following, rows, ids, unfinished, self)
         self.log.steps.append(following)
         self.log.unfinished_before.append(unfinished)
 

@@ -9,6 +9,7 @@ from posttrain.rollout.chat_tokens import ChatTokens
 from posttrain.rollout.episode_batch import EpisodeGroups, EpisodeOptions
 from posttrain.rollout.episode_fill import EpisodeFill
 from posttrain.rollout.episodes import EpisodeLimits
+from posttrain.rollout.tail_fill import FillPlan
 from tests.rollout.episode_helpers import ScriptedEnv, make_llm, plain_parser
 
 N, PROMPTS, STEPS = 2, 2, 3
@@ -37,7 +38,7 @@ def _fill(llm, groups, may_start=lambda step: True, fraction=1.0) -> tuple[Episo
         drawn.append(step)
         return _rows(step)[:n]
 
-    fill = EpisodeFill(groups, llm, PARAMS, PROMPTS, draw, lambda s: 1000 * s, may_start, STEPS, fraction)
+    fill = EpisodeFill(groups, llm, FillPlan(PARAMS, PROMPTS, draw, lambda s: 1000 * s, may_start, STEPS, fraction))
     return fill, drawn
 
 

@@ -12,7 +12,7 @@ from posttrain.engine import SamplingParams
 from posttrain.rewards import RewardSpec
 from posttrain.rollout.batch import PROMPT_KEY, RolloutBatch
 from posttrain.rollout.collect import collect_rollout
-from posttrain.rollout.tail_fill import TailFill
+from posttrain.rollout.tail_fill import FillPlan, TailFill
 from tests.rollout.episode_helpers import make_llm
 
 PROMPTS, N = 3, 2
@@ -46,9 +46,8 @@ def _collect(llm: Any, source: _Rows, step: int, **kwargs: Any) -> RolloutBatch:
 
 
 def _fill(llm: Any, source: _Rows, fraction: float, may_start=lambda step: True) -> TailFill:
-    return TailFill(
-        llm, PARAMS, PROMPTS, lambda step, n: source.sample(n), lambda step: step * 1000, may_start, 3, fraction
-    )
+    plan = FillPlan(PARAMS, PROMPTS, lambda step, n: source.sample(n), lambda step: step * 1000, may_start, 3, fraction)
+    return TailFill(llm, plan)
 
 
 def test_the_next_step_joins_the_engine_before_this_step_ends_and_each_step_keeps_its_own_prompts() -> None:

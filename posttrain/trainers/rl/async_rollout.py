@@ -43,7 +43,7 @@ from posttrain.rollout.producer import ProducedBatch, ThreadedProducer
 from posttrain.rollout.prompts import PromptSource
 from posttrain.rollout.scoring import score_groups
 from posttrain.rollout.staleness import split_stale, staleness_metrics
-from posttrain.rollout.tail_fill import TailFill
+from posttrain.rollout.tail_fill import FillPlan, TailFill
 from posttrain.trainers.rl.config import RLConfig, batch_sizes
 
 REFILL_SEED_OFFSET = 1 << 23  # refill seeds of a step: past its prompts' (collect.prompt_seed_base)
@@ -253,17 +253,16 @@ def tail_fill(run: Any, lead: int, may_start: Callable[[int], bool]) -> TailFill
             run.source.begin_step(step)
         return run.source.sample(n)
 
-    args = (
-        run.llm,
+    plan = FillPlan(
         run.params,
         cfg.rollout.prompts_per_step,
         draw,
         lambda step: prompt_seed_base(cfg.train.seed, step),
+        may_start,
+        last_step=cfg.train.max_steps,
+        fraction=cfg.rollout.async_fill,
     )
-    bounds = {"may_start": may_start, "last_step": cfg.train.max_steps, "fraction": cfg.rollout.async_fill}
-    if run.episodes is not None:
-        return EpisodeFill(run.episodes, *args, **bounds)
-    return TailFill(*args, **bounds)
+    return EpisodeFill(run.episodes, run.llm, plan) if run.episodes is not None else TailFill(run.llm, plan)
 
 
 def regenerate_groups(run: Any, step: int, stale: RolloutBatch) -> RolloutBatch:
