@@ -130,7 +130,7 @@ def episodes_to_batch(
             logprobs.append([0.0] * len(own) + e.logprobs)
             first = e.token_versions[0] if e.token_versions else min(e.policy_versions, default=-1)
             token_versions.append([first] * len(own) + e.token_versions)
-            token_rewards.append(_placed_turn_rewards(e, len(own), _turn_rewards_kept(e, truncated_reward)))
+            token_rewards.append(_placed_turn_rewards(e, len(own)))
     return RolloutBatch(
         group_size=G,
         rows=rows,
@@ -144,26 +144,17 @@ def episodes_to_batch(
         completion_mask=masks,
         completion_messages=[e.completion_messages for e in episodes],
         env_rewards=[episode_reward(e, truncated_reward) for e in episodes],
-        turn_rewards=[sum(e.turn_rewards) * _turn_rewards_kept(e, truncated_reward) for e in episodes]
-        if turn_rewards == "sum"
-        else None,
+        turn_rewards=[sum(e.turn_rewards) for e in episodes] if turn_rewards == "sum" else None,
         token_rewards=token_rewards if turn_rewards == "per_turn" else None,
     )
 
 
-def _turn_rewards_kept(episode: Episode, truncated_reward: TruncatedReward) -> float:
-    """1.0, or 0.0 for a truncated episode under `truncated_reward: zero`: its whole reward is 0, the per-turn
-    rewards too. Were they kept, a chain of rewarded steps cut off by the limits would score like one that answers,
-    and a process reward would teach episodes to run to the limit (they did: docs/agents.md)."""
-    return 0.0 if episode.truncated and truncated_reward == "zero" else 1.0
-
-
-def _placed_turn_rewards(episode: Episode, offset: int, kept: float = 1.0) -> list[float]:
-    """Per completion token: each of the episode's per-turn rewards (times `kept`) on the last model token of the
-    turn that earned it, 0 elsewhere; `offset`: the opening tokens moved into the completion before the episode's."""
+def _placed_turn_rewards(episode: Episode, offset: int) -> list[float]:
+    """Per completion token: each of the episode's per-turn rewards on the last model token of the turn that earned
+    it, 0 elsewhere; `offset`: the opening tokens moved into the completion before the episode's own."""
     placed = [0.0] * (offset + len(episode.ids))
     for end, reward in zip(episode.turn_reward_ends, episode.turn_rewards, strict=True):
-        placed[offset + end] += reward * kept
+        placed[offset + end] += reward
     return placed
 
 

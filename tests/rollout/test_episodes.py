@@ -159,17 +159,16 @@ def test_episode_rewards_and_per_turn_sums() -> None:
     assert summed.rewards.tolist() == [e.outcome + 0.25 * 3 for e in episodes]
 
 
-def test_a_truncated_episode_drops_its_turn_rewards_under_zero() -> None:
-    # Rewarded steps cut off by max_turns: under `zero` the whole episode scores 0 (a process reward must not
-    # pay for running to the limit); under `unscorable` it is left out, turn rewards or not.
+def test_a_truncated_episode_keeps_the_turn_rewards_it_earned() -> None:
+    # Rewarded steps cut off by max_turns: `zero` zeroes the outcome only; each step's reward was earned when the
+    # environment gave it (as a gym episode cut by its time limit keeps its rewards), so `sum` still adds them.
+    # `unscorable` leaves the episode out, turn rewards or not.
     llm = make_llm()
     play = runner(llm, env=lambda: ScriptedEnv(turns=10, turn_reward=0.25), max_turns=2)
     episodes, _ = play.run(ROWS, [1, 2])
-    assert all(e.truncated and sum(e.turn_rewards) > 0 for e in episodes)
+    assert all(e.truncated and e.turn_rewards == [0.25, 0.25] for e in episodes)
     summed = score_groups(episodes_to_batch(episodes, 1, play.chat, "zero", "sum"), [], None)
-    assert summed.rewards.tolist() == [0.0, 0.0]
-    per_turn = episodes_to_batch(episodes, 1, play.chat, "zero", "per_turn")
-    assert per_turn.token_rewards is not None and all(not any(r) for r in per_turn.token_rewards)
+    assert summed.rewards.tolist() == [0.5, 0.5]
     unscorable = score_groups(episodes_to_batch(episodes, 1, play.chat, "unscorable", "sum"), [], None)
     assert unscorable.rewards.isnan().all()
 
