@@ -31,7 +31,7 @@ agent-demo: setup
 	$(BIN)/posttrain eval accuracy --config examples/agent_word_problems.yaml --model runs/word-problems-sft/final \
 		--data examples/data/word_problems/test.jsonl --json
 	$(BIN)/posttrain grpo examples/agent_word_problems.yaml
-	$(BIN)/posttrain eval accuracy --config examples/agent_word_problems.yaml --model runs/word-problems-grpo/final \
+	$(BIN)/posttrain eval accuracy --config examples/agent_word_problems.yaml --model runs/word-problems-grpo/best \
 		--data examples/data/word_problems/test.jsonl --json
 
 # The first agentic demo: the calculator tool on multiplication, where the SFT cold start already solves it.
