@@ -77,6 +77,9 @@ def test_the_probe_runs_once_then_reads_the_cache(monkeypatch):
 
     monkeypatch.setattr(hardware, "_measure", counted)
     monkeypatch.setattr(hardware, "PROBE_SECONDS", 0.005)
+    # Flags without fast bf16: whatever the real rates (a loaded machine, oneDNN capped at AVX2), nothing here
+    # contradicts them, so the caching rule alone is under test (the contradiction rule has its own test below).
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("an AVX2 CPU", frozenset({"avx2", "fma"})))
     first = hardware.matmul_rates()
     assert first["float32"] > 0 and first["bfloat16"] > 0
     assert hardware.matmul_rates() == first and len(calls) == 1
