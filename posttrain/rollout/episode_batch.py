@@ -83,15 +83,23 @@ class EpisodeGroups:
         o = self.options
         runner = EpisodeRunner(llm.engine, o.chat, o.make_env, o.parser, params, o.limits, o.workers)
         with lockstep():
-            episodes, timing = runner.run(
-                [row for row in rows for _ in range(G)], [seed + j for seed in seeds for j in range(G)]
-            )
+            episodes, timing = runner.run(*each_episode(rows, seeds, G))
+        return self.played(episodes, timing, G)
+
+    def played(self, episodes: list[Episode], timing: EpisodeTiming, G: int) -> RolloutBatch:
+        """G consecutive episodes per row, played: logged for the step's metrics, and their batch."""
         self.log.add(episodes, timing)
+        o = self.options
         return episodes_to_batch(episodes, G, o.chat, o.truncated_reward, o.turn_rewards)
 
     def take_log(self) -> EpisodeLog:
         log, self.log = self.log, EpisodeLog()
         return log
+
+
+def each_episode(rows: list[Any], seeds: list[int], G: int) -> tuple[list[Any], list[int]]:
+    """(row, seed) per episode: G episodes of each row, episode j of row i seeded seeds[i] + j."""
+    return [row for row in rows for _ in range(G)], [seed + j for seed in seeds for j in range(G)]
 
 
 def _common_prefix(sequences: list[list[int]]) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 
 from posttrain.engine import LLM, SamplingParams
 from posttrain.rollout.batch import RolloutBatch
-from posttrain.rollout.episode_batch import EpisodeGroups, episodes_to_batch
+from posttrain.rollout.episode_batch import EpisodeGroups, each_episode
 from posttrain.rollout.episodes import Episode, EpisodeRunner
 from posttrain.rollout.generate import EngineCall
 from posttrain.rollout.tail_fill import FillLog, FillPlan
@@ -95,13 +95,10 @@ class EpisodeFill:
         self._current = episodes
         with lockstep():
             timing = self.runner.finish(episodes, before_step=self.maybe_fill)
-        self.groups.log.add(episodes, timing)
-        o = self.groups.options
-        return episodes_to_batch(episodes, params.n, o.chat, o.truncated_reward, o.turn_rewards)
+        return self.groups.played(episodes, timing, params.n)
 
     def _start(self, rows: list[dict[str, Any]], seeds: list[int]) -> list[Episode]:
-        n = self.params.n
-        return self.runner.start([row for row in rows for _ in range(n)], [s + j for s in seeds for j in range(n)])
+        return self.runner.start(*each_episode(rows, seeds, self.params.n))
 
     def maybe_fill(self) -> None:
         """Before each engine step of a step's collection: start the next step not started yet when at most

@@ -47,11 +47,15 @@ class BestModel:
         self.step: int | None = record["step"] if record else None
         self.accuracy: float = record["accuracy"] if record else float("-inf")
 
+    @property
+    def dir(self) -> Path:
+        return self.run_dir / BEST_DIR
+
     def offer(self, step: int, accuracy: float) -> bool:
         """Save the model as the best when `accuracy` beats the best so far; True when it did."""
         if not accuracy > self.accuracy:  # ties keep the earlier model; NaN never wins
             return False
-        self.save(self.run_dir / BEST_DIR)
+        self.save(self.dir)
         self.step, self.accuracy = step, float(accuracy)
         if is_main():
             tmp = self.run_dir / f".{BEST_RECORD}.tmp"

@@ -56,9 +56,9 @@ def _evaluate(run: RLRun, step: int, best: BestModel | None) -> dict[str, Any]:
         )
     if episodes is not None:
         metrics.update({f"eval/{key}": value for key, value in episode_metrics(episodes.take_log()).items()})
+    metrics["time/eval_s"] = time.perf_counter() - start  # the evaluation alone: the budget's reserve reads it
     if best is not None and best.offer(step, metrics["eval/accuracy"]):
         metrics["eval/best_saved"] = 1.0
-    metrics["time/eval_s"] = time.perf_counter() - start
     if not is_main():
         return metrics
     with open(run.run_dir / f"eval-step{step:05d}.jsonl", "w", encoding="utf-8") as f:
@@ -164,7 +164,7 @@ def train(cfg: RLConfig, command: str, *, model: nn.Module | None = None, tokeni
         if cfg.save_final:
             summary["final"] = str(save_run_model(run, final_dir(run.run_dir), export=True))
         if best is not None and best.step is not None:
-            summary["best"] = {"step": best.step, "accuracy": best.accuracy, "dir": str(run.run_dir / "best")}
+            summary["best"] = {"step": best.step, "accuracy": best.accuracy, "dir": str(best.dir)}
         summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
         if is_main():
             (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
