@@ -145,6 +145,7 @@ def shared_settings(demo: Demo) -> dict[str, Any]:
         "lr": cfg.optim.lr,
         "seed": cfg.train.seed,
         "data_seed": cfg.data.seed,
+        "task_options": dict(cfg.data.task_options),  # e.g. word_problems' operation_weights: the same mix of draws
         # the environment's per-step reward, when the config adds it to the outcome (word_problems' step_reward)
         "step_reward": cfg.env.options.get("step_reward", 0.0) if cfg.env.turn_rewards == "sum" else 0.0,
     }
@@ -269,7 +270,7 @@ def trl_rows(demo: Demo, settings: dict[str, Any], count: int) -> list[dict[str,
     from posttrain.tasks import make_task
 
     system = {"role": "system", "content": importlib.import_module(demo.environment).SYSTEM_PROMPT}
-    rows = make_task(demo.task, seed=settings["data_seed"]).sample(count)
+    rows = make_task(demo.task, seed=settings["data_seed"], **settings["task_options"]).sample(count)
     # the prompt opened as the environment opens it; the other columns reach the reward functions (TRL's kwargs)
     return [{**r, "prompt": [system, *r["prompt"]]} for r in rows]
 

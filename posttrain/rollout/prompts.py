@@ -33,6 +33,7 @@ class PromptData(Protocol):
     """Where prompts come from (the RL config's `data:` section has these fields)."""
 
     task: str | None  # a posttrain.tasks.TASKS key; None: the dataset at `path`
+    task_options: dict[str, Any]  # the task's options beside seed / path (empty for a dataset)
     path: str | None  # with a task: the task's data file; without: the dataset
     prompt_column: str
     prompt_template: str | None
@@ -145,7 +146,7 @@ def make_prompt_source(cfg: PromptData, whole_rows: bool = False) -> PromptSourc
         return DatasetPrompts(cfg, whole_rows)
     from posttrain.tasks import make_task
 
-    options: dict[str, Any] = {"seed": cfg.seed}
+    options: dict[str, Any] = {**cfg.task_options, "seed": cfg.seed}
     if cfg.path is not None:
         options["path"] = cfg.path
     if cfg.task == "gsm8k":

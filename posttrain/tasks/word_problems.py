@@ -18,6 +18,7 @@ evaluation never share a problem. Call k of `sample` draws from a generator seed
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -90,11 +91,15 @@ def draw_operation(rng: random.Random, value: int) -> tuple[str, int]:
             return op, rng.choice(divisors)
 
 
-def draw_problem(rng: random.Random) -> tuple[int, Chain]:
+def draw_problem(rng: random.Random, weights: list[float] | None = None) -> tuple[int, Chain]:
+    """A start value and its chain; `weights` (one per count of operations, 2 to 4): how often each length is
+    drawn (None: uniformly)."""
     start = rng.choice(START)
     chain: Chain = []
     value = start
-    for _ in range(rng.randint(MIN_OPERATIONS, MAX_OPERATIONS)):
+    counts = range(MIN_OPERATIONS, MAX_OPERATIONS + 1)
+    length = rng.randint(MIN_OPERATIONS, MAX_OPERATIONS) if weights is None else rng.choices(counts, weights)[0]
+    for _ in range(length):
         op, n = draw_operation(rng, value)
         chain.append((op, n))
         value = apply(value, op, n)
@@ -121,12 +126,14 @@ def make_row(rng: random.Random, start: int, chain: Chain) -> dict[str, Any]:
     }
 
 
-def draw_rows(rng: random.Random, n: int, held_out: bool) -> list[dict[str, Any]]:
+def draw_rows(
+    rng: random.Random, n: int, held_out: bool, weights: list[float] | None = None
+) -> list[dict[str, Any]]:
     """n distinct problems from one side of the split (rejection: one draw in ten is held out)."""
     rows: list[dict[str, Any]] = []
     seen: set[tuple[int, tuple[tuple[str, int], ...]]] = set()
     while len(rows) < n:
-        start, chain = draw_problem(rng)
+        start, chain = draw_problem(rng, weights)
         key = (start, tuple(chain))
         if is_held_out(start, chain) == held_out and key not in seen:
             seen.add(key)
@@ -134,23 +141,46 @@ def draw_rows(rng: random.Random, n: int, held_out: bool) -> list[dict[str, Any]
     return rows
 
 
+def check_weights(weights: Any) -> list[float] | None:
+    """`operation_weights` as floats: one non-negative number per count of operations, 2 to 4, not all 0."""
+    if weights is None:
+        return None
+    counts = MAX_OPERATIONS - MIN_OPERATIONS + 1
+    if (
+        not isinstance(weights, (list, tuple))
+        or len(weights) != counts
+        or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in weights)
+        or not sum(weights) > 0
+    ):
+        raise TaskError(
+            f"word_problems task: operation_weights must be {counts} non-negative numbers (for 2, 3 and 4 "
+            f"operations), not all 0, got {weights!r}"
+        )
+    return [float(w) for w in weights]
+
+
 class WordProblemsTask:
-    """Fresh chained word problems on every `sample` call; a disjoint `held_out` set (see the module docstring)."""
+    """Fresh chained word problems on every `sample` call; a disjoint `held_out` set (see the module docstring).
+
+    `operation_weights` ([w2, w3, w4]) skews the training draws toward longer or shorter chains (a curriculum's
+    mix: the cold start's two-step habit is the easiest thing for RL to reinforce); held-out problems are always
+    drawn uniformly, so evaluations stay comparable whatever the mix."""
 
     name = "word_problems"
     reward = "numeric_match"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, operation_weights: list[float] | None = None) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TaskError(f"word_problems task: seed must be an integer, got {seed!r}")
         self.seed = seed
+        self.weights = check_weights(operation_weights)
         self.calls = 0
 
     def sample(self, n: int) -> list[dict[str, Any]]:
         check_count(n, "word_problems task: sample(n)")
         rng = random.Random(f"word_problems:{self.seed}:{self.calls}")
         self.calls += 1
-        return draw_rows(rng, n, held_out=False)
+        return draw_rows(rng, n, held_out=False, weights=self.weights)
 
     def held_out(self, n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
         """n held-out problems; the same n and seed give the same rows (independent of `sample`)."""

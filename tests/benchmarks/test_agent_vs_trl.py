@@ -84,7 +84,7 @@ def test_trl_reward_is_the_environments(bench) -> None:
 def test_trl_rows_open_as_the_environment_does(bench) -> None:
     from posttrain.envs.calculator import SYSTEM_PROMPT
 
-    rows = bench.trl_rows(bench.DEMOS["calculator"], {"data_seed": 0}, 3)
+    rows = bench.trl_rows(bench.DEMOS["calculator"], {"data_seed": 0, "task_options": {}}, 3)
     assert len(rows) == 3
     for row in rows:
         assert row["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
@@ -103,8 +103,9 @@ def test_word_problems_demo_takes_its_own_config_tool_and_rows(bench, tmp_path: 
     assert (plan["settings"]["samples_per_prompt"], plan["settings"]["max_turns"]) == (4, 6)
     assert str(ROOT / "examples" / "data" / "word_problems" / "test.jsonl") in plan["eval"]
     assert plan["settings"]["step_reward"] == 0.1  # the config's process reward reaches TRL's side too
-    rows = bench.trl_rows(args.demo, {"data_seed": 0}, 2)
+    rows = bench.trl_rows(args.demo, {"data_seed": 0, "task_options": {"operation_weights": [0, 0, 1]}}, 4)
     assert all(r["prompt"][0]["content"] == SYSTEM_PROMPT and r["answer"] and r["chain"] for r in rows)
+    assert {r["operations"] for r in rows} == {4}  # the config's mix of chain lengths reaches TRL's draws
     first, second = bench.reward_functions(0.1)
     assert first is bench.final_answer_reward
     tool = {"role": "tool", "content": ""}

@@ -77,3 +77,17 @@ def test_state_restores_the_stream_and_bad_state_is_named():
         make_task("word_problems", seed="x")
     with pytest.raises(TaskError, match="non-negative"):
         task.sample(-1)
+
+
+def test_operation_weights_skew_training_draws_only_and_bad_weights_are_named():
+    skewed = make_task("word_problems", seed=3, operation_weights=[0, 1, 3]).sample(400)
+    counts = {k: sum(r["operations"] == k for r in skewed) for k in (2, 3, 4)}
+    assert counts[2] == 0 and counts[4] > 2 * counts[3] > 0  # 1:3 between three and four steps, none of two
+    assert make_task("word_problems", seed=3, operation_weights=[1, 0, 0]).sample(50)[0]["operations"] == 2
+    plain = make_task("word_problems", seed=3)
+    assert make_task("word_problems", seed=3, operation_weights=None).sample(20) == plain.sample(20)
+    # the held-out split ignores the mix: evaluations stay comparable whatever the training draws
+    assert make_task("word_problems", operation_weights=[0, 0, 1]).held_out(50) == plain.held_out(50)
+    for bad in ([1, 2], [1, -1, 1], [0, 0, 0], "1,2,3", [1, True, 1], [1, float("nan"), 1], [1, float("inf"), 1]):
+        with pytest.raises(TaskError, match="operation_weights must be 3 non-negative numbers"):
+            make_task("word_problems", operation_weights=bad)

@@ -225,6 +225,25 @@ def test_dataset_without_prompt_column_fails_first(monkeypatch, tmp_path: Path) 
     _fails_before_compute(monkeypatch, tmp_path, bad, "no prompt column 'prompt'")
 
 
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (["data.task_options.operation_weights=[1,2]"], "operation_weights must be 3 non-negative numbers"),
+        (["data.task_options.colour=1"], "task 'word_problems'.*colour.*options: seed, operation_weights"),
+    ],
+)
+def test_bad_task_options_fail_first(monkeypatch, tmp_path: Path, options: list[str], match: str) -> None:
+    bad = rl_overrides(tmp_path, "bad", "data.task=word_problems", *options)
+    _fails_before_compute(monkeypatch, tmp_path, bad, match)
+
+
+def test_task_options_reach_the_task() -> None:
+    from posttrain.rollout.prompts import make_prompt_source
+
+    cfg = load_config(GRPOConfig, None, ["data.task=word_problems", "data.task_options.operation_weights=[0,0,1]"])
+    assert {row["operations"] for row in make_prompt_source(cfg.data).sample(20)} == {4}
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -239,6 +258,9 @@ def test_dataset_without_prompt_column_fails_first(monkeypatch, tmp_path: Path) 
         (["train.minibatch_size=8", "train.micro_batch_size=12"], "micro_batch_size=12"),
         (["algorithm=ppo"], "algorithm 'ppo' is not one of"),
         (["loss.clip_eps_low=0.1", "loss.clip_eps_high=0.3"], "clips symmetrically"),
+        (["data.task_options=[1]"], "data.task_options: expected a dict"),
+        (["data.task=null", "data.path=x.jsonl", "data.task_options.k=1"], "task_options needs data.task"),
+        (["data.task_options.seed=3"], "seed come from data.seed"),
     ],
 )
 def test_batch_shape_errors_name_the_keys(overrides: list[str], match: str) -> None:

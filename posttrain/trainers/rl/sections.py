@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from posttrain.algos.importance import OffPolicyParams
@@ -31,6 +31,8 @@ class DataSection:
     """Where prompts come from: a built-in task, or a dataset (JSONL, Parquet, a saved HF dataset) with a prompt column."""
 
     task: str | None = "arithmetic"  # posttrain.tasks.TASKS key; null: read the dataset at `path`
+    # the task's own options beside its seed (e.g. word_problems' operation_weights); a task rejects unknown ones
+    task_options: dict[str, Any] = field(default_factory=dict)
     path: str | None = None  # with a task: the task's data file (gsm8k); without: a dataset file or directory
     prompt_column: str = "prompt"  # a string, or a list of chat messages
     prompt_template: str | None = None  # e.g. "{question}\nEnd with: #### <number>" (row columns by name)
@@ -44,6 +46,9 @@ class DataSection:
             "set data.task (a built-in task) or data.path (a dataset), or both (the task's data file)",
         )
         need(self.eval_size >= 0, f"eval_size must be >= 0, got {self.eval_size}")
+        need(not self.task_options or self.task is not None, "task_options needs data.task (a built-in task)")
+        reserved = sorted({"seed", "path", "held_out_size"} & set(self.task_options))
+        need(not reserved, f"task_options: {', '.join(reserved)} come from data.seed / data.path / data.eval_size")
 
 
 @dataclass
