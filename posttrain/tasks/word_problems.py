@@ -126,9 +126,7 @@ def make_row(rng: random.Random, start: int, chain: Chain) -> dict[str, Any]:
     }
 
 
-def draw_rows(
-    rng: random.Random, n: int, held_out: bool, weights: list[float] | None = None
-) -> list[dict[str, Any]]:
+def draw_rows(rng: random.Random, n: int, held_out: bool, weights: list[float] | None = None) -> list[dict[str, Any]]:
     """n distinct problems from one side of the split (rejection: one draw in ten is held out)."""
     rows: list[dict[str, Any]] = []
     seen: set[tuple[int, tuple[tuple[str, int], ...]]] = set()

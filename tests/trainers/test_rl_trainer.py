@@ -225,7 +225,6 @@ def test_dataset_without_prompt_column_fails_first(monkeypatch, tmp_path: Path) 
     _fails_before_compute(monkeypatch, tmp_path, bad, "no prompt column 'prompt'")
 
 
-
 @pytest.mark.parametrize(
     "options, match",
     [
@@ -243,6 +242,7 @@ def test_task_options_reach_the_task() -> None:
 
     cfg = load_config(GRPOConfig, None, ["data.task=word_problems", "data.task_options.operation_weights=[0,0,1]"])
     assert {row["operations"] for row in make_prompt_source(cfg.data).sample(20)} == {4}
+
 
 @pytest.mark.parametrize(
     "overrides, match",
