@@ -51,7 +51,9 @@ def episodes_accuracy_run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(
         args.model, dtype=args.dtype, device=args.device, chat_template=cfg.model.chat_template
     )
-    options = episode_options(cfg.env, tokenizer, max_tokens, cfg.rollout.max_prompt_tokens)
+    options = episode_options(
+        cfg.env, tokenizer, max_tokens, cfg.rollout.max_prompt_tokens, episodes_in_flight=len(data.rows)
+    )
     seqs = min(EngineConfig().max_num_seqs, len(data.rows))
     engine = EngineConfig(
         max_model_len=args.max_model_len or cfg.rollout.max_prompt_tokens + cfg.env.max_episode_tokens,

@@ -19,6 +19,7 @@ a cold start that shows the format but not the longer chains).
 
     python -m posttrain.envs.transcripts --out calculator_sft.jsonl --rows 2000 --seed 0
     python -m posttrain.envs.transcripts --env word_problems --out wp_sft.jsonl --rows 8 --operations 2
+    python -m posttrain.envs.transcripts --env word_problems --out wp_sft.jsonl --rows 24 --operations 2 3 4
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +80,22 @@ def calculator_transcripts(rows: int, seed: int = 0) -> list[dict[str, Any]]:
     return [calculator_transcript(row) for row in MultiplicationTask(seed=seed).sample(rows)]
 
 
-def word_problem_transcripts(rows: int, seed: int = 0, operations: int | None = None) -> list[dict[str, Any]]:
-    """`rows` solved episodes over training word problems from `seed`; `operations`: only problems of that many."""
-    task, picked = WordProblemsTask(seed=seed), []
-    while len(picked) < rows:
-        picked += [row for row in task.sample(rows) if operations is None or row["operations"] == operations]
-    return [word_problem_transcript(row) for row in picked[:rows]]
+def word_problem_transcripts(
+    rows: int, seed: int = 0, operations: int | Sequence[int] | None = None
+) -> list[dict[str, Any]]:
+    """`rows` solved episodes over training word problems from `seed`; `operations`: only problems of that many
+    steps, or of each of several counts (rows split evenly, count k drawn from seed + k, then interleaved:
+    2, 3, 4, 2, 3, 4, ... so that every SFT batch mixes the lengths)."""
+    if operations is None or isinstance(operations, int):
+        task, picked = WordProblemsTask(seed=seed), []
+        while len(picked) < rows:
+            picked += [row for row in task.sample(rows) if operations is None or row["operations"] == operations]
+        return [word_problem_transcript(row) for row in picked[:rows]]
+    counts = list(operations)
+    if not counts or rows % len(counts):
+        raise ValueError(f"{rows} rows do not split evenly over the operation counts {counts}")
+    per_count = [word_problem_transcripts(rows // len(counts), seed + k, k) for k in counts]
+    return [record for group in zip(*per_count) for record in group]
 
 
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:
@@ -103,15 +115,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1000, help="how many transcripts (default: 1000)")
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (default: 0)")
     parser.add_argument("--env", choices=("calculator", "word_problems"), default="calculator", help="whose episodes")
-    parser.add_argument("--operations", type=int, default=None, help="word_problems: only problems of this many steps")
+    parser.add_argument(
+        "--operations",
+        type=int,
+        nargs="+",
+        default=None,
+        help="word_problems: only problems of this many steps; several counts split --rows evenly between them",
+    )
     args = parser.parse_args(argv)
     if args.rows < 1:
         parser.error(f"--rows must be positive, got {args.rows}")
     if args.operations is not None:
         if args.env != "word_problems":
             parser.error("--operations applies to --env word_problems")
-        if not MIN_OPERATIONS <= args.operations <= MAX_OPERATIONS:
-            parser.error(f"--operations must be {MIN_OPERATIONS} to {MAX_OPERATIONS}, got {args.operations}")
+        for count in args.operations:
+            if not MIN_OPERATIONS <= count <= MAX_OPERATIONS:
+                parser.error(f"--operations must be {MIN_OPERATIONS} to {MAX_OPERATIONS}, got {count}")
+        if len(set(args.operations)) != len(args.operations) or args.rows % len(args.operations):
+            parser.error(f"--rows {args.rows} must split evenly over distinct --operations {args.operations}")
+        args.operations = args.operations[0] if len(args.operations) == 1 else args.operations
     if args.env == "calculator":
         records = calculator_transcripts(args.rows, args.seed)
     else:

@@ -10,6 +10,12 @@ intermediate value of the row's chain earns it as the turn's reward (`EnvStep.re
 with `env.turn_rewards: sum`), in order, so a repeated or skipped step earns nothing. It gives a group whose
 episodes all miss the final answer something to compare (how far each got); the held-out success is the
 outcome alone. Rows without a `chain` (the shipped test file) earn no step rewards.
+
+`extra_call_penalty` (option, default 0: off) is its counterweight: each call past the chain's length (the
+problem has k steps, the model makes a (k+1)-th call or more) costs that much as the turn's reward. Without it
+the step rewards pay for calling: an episode that calls until it is cut off collects every step it happens to
+hit and loses nothing, so the policy drifts to the longest chains (measured in docs/agents.md); with it, an
+episode scores most by making exactly the problem's number of calls. `env/extra_calls` counts those calls.
 `word_problem_transcripts` (posttrain.envs.transcripts) writes solved episodes for an SFT cold start.
 """
 
@@ -56,26 +62,32 @@ class WordProblemsEnvironment(ToolEnvironment):
         system_prompt: str = SYSTEM_PROMPT,
         tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
         step_reward: float = 0.0,
+        extra_call_penalty: float = 0.0,
     ) -> None:
-        if isinstance(step_reward, bool) or not isinstance(step_reward, (int, float)) or not 0 <= step_reward <= 1:
-            raise EnvError(f"word_problems: step_reward must be a number in [0, 1], got {step_reward!r}")
+        for name, value in (("step_reward", step_reward), ("extra_call_penalty", extra_call_penalty)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise EnvError(f"word_problems: {name} must be a number in [0, 1], got {value!r}")
         super().__init__(
             [calculate], system_prompt=system_prompt, tool_timeout_s=tool_timeout_s, check_answer=exact_final_number
         )
         self.step_reward = float(step_reward)
+        self.extra_call_penalty = float(extra_call_penalty)
         self.targets: list[str] = []
-        self.steps_done = 0
+        self.steps_done = self.calls = 0
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        self.targets, self.steps_done = intermediate_values(row), 0
+        self.targets, self.steps_done, self.calls = intermediate_values(row), 0, 0
         return super().reset(row)
 
     def step(self, turn: ParsedTurn) -> EnvStep:
         result = super().step(turn)
         earned = steps_matched([str(m.get("content")) for m in result.observations], self.targets, self.steps_done)
         self.steps_done += earned
-        if self.targets:  # the steps done right, counted as env/correct_steps; rewarded when step_reward is set
-            result.counts = {**result.counts, "correct_steps": float(earned)}
-            if self.step_reward:
-                result.reward = self.step_reward * earned
+        calls = len(turn.tool_calls)
+        extra = max(0, self.calls + calls - len(self.targets)) - max(0, self.calls - len(self.targets))
+        self.calls += calls
+        if self.targets:  # counted as env/correct_steps and env/extra_calls; rewarded when the options are set
+            result.counts = {**result.counts, "correct_steps": float(earned), "extra_calls": float(extra)}
+            if self.step_reward or self.extra_call_penalty:
+                result.reward = self.step_reward * earned - self.extra_call_penalty * extra
         return result

@@ -39,3 +39,22 @@ def test_zero_latency_is_the_factory_itself_and_bad_values_are_named():
 def test_bad_latency_fails_on_load_naming_the_key(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(GRPOConfig, None, [f"out={tmp_path}", "env.name=calculator", override])
+
+
+def test_null_workers_give_every_waiting_episode_a_thread():
+    from posttrain.trainers.rl.env_section import DEFAULT_WORKERS, auto_workers, rollout_in_flight
+
+    def cfg(*overrides: str) -> GRPOConfig:
+        base = ["env.name=calculator", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
+        return load_config(GRPOConfig, None, [*base, *overrides])
+
+    plain = cfg("data.eval_size=10")
+    assert plain.env.workers is None and auto_workers(plain.env, 16) == DEFAULT_WORKERS  # no waits: the default
+    assert rollout_in_flight(plain.rollout, 10) == 16 and rollout_in_flight(plain.rollout, 50) == 50  # or the eval's
+    slow = cfg("env.tool_latency_s=0.5", "rollout.mode=async", "rollout.max_staleness=2")
+    assert rollout_in_flight(slow.rollout, 0) == 48  # this step's 16 and two steps ahead
+    assert auto_workers(slow.env, 48) == 48 and auto_workers(slow.env, 2) == DEFAULT_WORKERS
+    assert auto_workers(slow.env, 10_000) == 512  # sleeping threads are cheap, not free
+    assert auto_workers(cfg("env.tool_latency_s=0.5", "env.workers=3").env, 48) == 3  # a set value wins
+    with pytest.raises(ConfigError, match="workers must be >= 1 or null, got 0"):
+        cfg("env.workers=0")

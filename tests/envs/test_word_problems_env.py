@@ -99,9 +99,15 @@ def test_the_transcript_command_filters_by_operations(tmp_path, capsys):
     main(["--env", "word_problems", "--out", str(out), "--rows", "5", "--operations", "3"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["messages"]) == 2 + 2 * 3 + 1 for r in rows)
+    main(["--env", "word_problems", "--out", str(out), "--rows", "6", "--operations", "2", "4", "--seed", "1"])
+    mixed = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(len(r["messages"]) - 3) // 2 for r in mixed] == [2, 4, 2, 4, 2, 4]  # interleaved, 3 of each
+    assert mixed[1::2] == word_problem_transcripts(3, seed=1 + 4, operations=4)  # count k from seed + k
     for argv, error in [
         (["--operations", "3"], "applies to --env word_problems"),
         (["--env", "word_problems", "--operations", "5"], "must be 2 to 4"),
+        (["--env", "word_problems", "--rows", "5", "--operations", "2", "3"], "must split evenly"),
+        (["--env", "word_problems", "--rows", "4", "--operations", "3", "3"], "must split evenly over distinct"),
     ]:
         with pytest.raises(SystemExit):
             main(["--out", str(out), *argv])
@@ -158,3 +164,27 @@ def test_step_reward_credits_each_next_intermediate_once_and_in_order():
     assert "correct_steps" not in plain.step(parse_hermes(CALL % "1 + 2")).counts
     with pytest.raises(Exception, match=r"step_reward must be a number in \[0, 1\], got 2"):
         load_environment_factory("word_problems", options={"step_reward": 2})
+
+
+def test_extra_call_penalty_charges_each_call_past_the_chain_length():
+    row = {"prompt": [{"role": "user", "content": "q"}], "answer": "30", "start": 100, "chain": [["+", 20], ["/", 4]]}
+    options = {"step_reward": 0.1, "extra_call_penalty": 0.25}
+    env = load_environment_factory("word_problems", options=options)()
+    env.reset(row)
+    rewards = [env.step(parse_hermes(CALL % e)) for e in ("100 + 20", "7 * 7", "120 / 4", "30 / 3")]
+    # the second call is wrong but within the two the problem needs; the third (right) and fourth are past them
+    assert [s.reward for s in rewards] == [0.1, 0.0, 0.1 - 0.25, -0.25]
+    assert [s.counts["extra_calls"] for s in rewards] == [0.0, 0.0, 1.0, 1.0]
+    two_at_once = parse_hermes((CALL % "100 + 20") + "\n" + (CALL % "120 / 4") + "\n" + (CALL % "30 + 1"))
+    env.reset(row)  # a new episode: the count starts over; three calls in one turn, one past the chain
+    step = env.step(two_at_once)
+    assert len(step.observations) == 3 and step.counts["extra_calls"] == 1.0
+    assert step.reward == pytest.approx(0.2 - 0.25)
+    # off by default (counted only), and refused outside [0, 1]
+    plain = load_environment_factory("word_problems", options={"step_reward": 0.1})()
+    plain.reset(row)
+    for e in ("100 + 20", "120 / 4", "30 / 3"):
+        last = plain.step(parse_hermes(CALL % e))
+    assert last.reward == 0.0 and last.counts["extra_calls"] == 1.0
+    with pytest.raises(Exception, match=r"extra_call_penalty must be a number in \[0, 1\], got -1"):
+        load_environment_factory("word_problems", options={"extra_call_penalty": -1})

@@ -34,19 +34,22 @@ class EnvSection:
     tool_timeout_s: float | None = None
     step_timeout_s: float = 60.0  # one whole environment call (reset, step, episode_reward): the rollout's bound
     # Seconds every answered turn waits (a sleep, no CPU), as a remote tool, sandbox or judge would answer; 0: none.
-    # Raise `workers` with it: each waiting episode holds a worker (posttrain.envs.latency).
+    # Each waiting episode holds a worker (posttrain.envs.latency): `workers: null` sizes them for it.
     tool_latency_s: float = 0.0
     truncated_reward: Literal["zero", "unscorable"] = "zero"  # a truncated episode's reward: 0, or left out (NaN)
     # Per-step rewards an environment returns: ignore them (outcome only); sum: add their sum to the episode's
     # outcome reward before the group's advantage is taken; per_turn: (token-level advantages: ppo's GAE,
     # reinforce_pp) each on the last model token of the turn that earned it, so the returns credit turn by turn.
     turn_rewards: Literal["ignore", "sum", "per_turn"] = "ignore"
-    workers: int = 4  # threads running environment calls while the engine decodes
+    # Threads running environment calls while the engine decodes. null: DEFAULT_WORKERS, or with tool_latency_s one
+    # per episode the rollout can hold at once (`auto_workers`), so that no episode's wait queues behind another's.
+    workers: int | None = None
 
     def validate(self) -> None:
         need(bool(self.name), "name must name an environment (a built-in or path/to/file.py:Class)")
-        for name in ("max_turns", "max_episode_tokens", "workers"):
+        for name in ("max_turns", "max_episode_tokens"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        need(self.workers is None or self.workers >= 1, f"workers must be >= 1 or null, got {self.workers}")
         need(
             self.turn_rewards in ("ignore", "sum", "per_turn"),
             f"turn_rewards must be ignore, sum or per_turn, got {self.turn_rewards!r}",
@@ -60,6 +63,28 @@ class EnvSection:
             f"tool_latency_s ({self.tool_latency_s}) must be below step_timeout_s ({self.step_timeout_s}): "
             "every answered turn would time out",
         )
+
+
+DEFAULT_WORKERS = 4  # environment threads when its calls return at once: enough to overlap a few steps' work
+MAX_AUTO_WORKERS = 512  # threads that mostly sleep are cheap, but not free
+
+
+def auto_workers(env: EnvSection, episodes_in_flight: int) -> int:
+    """`env.workers`, or when null: DEFAULT_WORKERS, or with `tool_latency_s` one per episode in flight (each
+    waiting episode holds a worker; fewer would queue the waits behind each other)."""
+    if env.workers is not None:
+        return env.workers
+    if env.tool_latency_s == 0:
+        return DEFAULT_WORKERS
+    return min(max(DEFAULT_WORKERS, episodes_in_flight), MAX_AUTO_WORKERS)
+
+
+def rollout_in_flight(rollout: Any, eval_size: int) -> int:
+    """The most episodes an RL run holds at once: a step's, times the steps an async rollout runs ahead
+    (at most `max_staleness`), or a held-out evaluation's."""
+    batch = rollout.prompts_per_step * rollout.samples_per_prompt
+    ahead = rollout.max_staleness if rollout.mode == "async" else 0
+    return max(batch * (1 + ahead), eval_size)
 
 
 def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
@@ -80,10 +105,12 @@ def episode_options(
     max_prompt_tokens: int,
     make_env: Any = None,
     parser: ToolCallParser | None = None,
+    episodes_in_flight: int = 0,
 ) -> EpisodeOptions:
     """Everything the rollout needs to play the section's episodes. `make_env` / `parser`: given in Python (a
-    test's scripted environment), else loaded from the section. One environment is made here to read its tools'
-    schemas, which every episode's prompt renders."""
+    test's scripted environment), else loaded from the section. `episodes_in_flight`: the most episodes played at
+    once (sizes `workers: null`). One environment is made here to read its tools' schemas, which every episode's
+    prompt renders."""
     if make_env is None or parser is None:
         loaded_env, loaded_parser = load_environment(env)
         make_env, parser = make_env or loaded_env, parser or loaded_parser
@@ -96,4 +123,5 @@ def episode_options(
         raise PosttrainError(f"env.name={env.name!r}: the environment cannot be made ({error})") from error
     chat = ChatTokens(tokenizer, schemas)
     limits = EpisodeLimits(env.max_turns, max_tokens, env.max_episode_tokens, max_prompt_tokens, env.step_timeout_s)
-    return EpisodeOptions(make_env, parser, chat, limits, env.workers, env.truncated_reward, env.turn_rewards)
+    workers = auto_workers(env, episodes_in_flight)
+    return EpisodeOptions(make_env, parser, chat, limits, workers, env.truncated_reward, env.turn_rewards)
