@@ -33,7 +33,7 @@ def episodes_accuracy_run(args: argparse.Namespace) -> int:
     if cfg.env is None:
         raise PosttrainError(f"--config {args.config}: no env: section (it names the environment to evaluate in)")
     if args.data is None or args.builtin_task is not None:
-        raise PosttrainError("with --config, give the problems as --data FILE (rows with question and answer)")
+        raise PosttrainError("with --config, give the problems as --data FILE (rows with a prompt or question)")
     if args.n != 1 or args.temperature != 0:
         raise PosttrainError("with --config the episodes are greedy: leave --n and --temperature at 1 and 0")
     data = file_rows(
@@ -43,6 +43,7 @@ def episodes_accuracy_run(args: argparse.Namespace) -> int:
         max_rows=args.num,
         system_prompt=args.system,
         template=args.prompt_template,
+        answer_required=False,  # the environment may score episodes itself (guess_number has no answer)
     )
     columns = [key for key in data.rows[0] if key != "prompt"]
     functions = args.reward or cfg.reward.functions

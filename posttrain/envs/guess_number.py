@@ -5,8 +5,13 @@ and the environment answers as the user: "Higher.", "Lower." or "Correct!" (whic
 without a number is answered with a reminder and still uses up a turn. The episode ends after `max_turns`
 guesses; its reward is 1.0 when the number was found within them, else 0.0.
 
+`show_range=True` adds the range still consistent with every answer so far to each answer ("Higher. It is
+between 38 and 100. 6 guesses left."): the state a good player tracks is then on the page, and what is left to
+learn is the choice within it (the middle halves the range, so binary search solves 1..100 in 7 guesses, a
+uniformly random pick within the range in 51% of games).
+
 Rows: `{"prompt": ..., "secret": 37, "low": 1, "high": 100}` (the `guess_number` task writes them); `low` and
-`high` default to the environment's own range.
+`high` (the range `show_range` starts from) default to 1 and 100.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from posttrain.envs.turns import ParsedTurn
 from posttrain.rewards.answers import last_number
 
 DEFAULT_MAX_TURNS = 8  # binary search finds any number in 1..100 in 7 guesses
+DEFAULT_LOW, DEFAULT_HIGH = 1, 100
+SYSTEM_PROMPT = "You are playing a guessing game. Reply with your guess only: one whole number."
 
 
 class GuessNumberEnvironment:
@@ -27,13 +34,19 @@ class GuessNumberEnvironment:
 
     tools: list[Any] = []
 
-    def __init__(self, max_turns: int = DEFAULT_MAX_TURNS, system_prompt: str | None = None) -> None:
+    def __init__(
+        self, max_turns: int = DEFAULT_MAX_TURNS, system_prompt: str | None = SYSTEM_PROMPT, show_range: bool = False
+    ) -> None:
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise EnvError(f"guess_number environment: max_turns must be a positive integer, got {max_turns!r}")
+        if not isinstance(show_range, bool):
+            raise EnvError(f"guess_number environment: show_range must be true or false, got {show_range!r}")
         self.tools = []
         self.max_turns = max_turns
         self.system_prompt = system_prompt
+        self.show_range = show_range
         self.secret = 0
+        self.low, self.high = DEFAULT_LOW, DEFAULT_HIGH  # the range consistent with the answers so far
         self.guesses = 0
         self.solved = False
 
@@ -41,21 +54,35 @@ class GuessNumberEnvironment:
         secret = row.get("secret")
         if isinstance(secret, bool) or not isinstance(secret, int):
             raise EnvError(f"guess_number environment: the row's 'secret' must be an integer, got {secret!r}")
-        self.secret, self.guesses, self.solved = secret, 0, False
+        low, high = row.get("low", DEFAULT_LOW), row.get("high", DEFAULT_HIGH)
+        for key, value in (("low", low), ("high", high)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise EnvError(f"guess_number environment: the row's {key!r} must be an integer, got {value!r}")
+        if not low <= secret <= high:
+            raise EnvError(f"guess_number environment: the row's secret {secret} is outside [{low}, {high}]")
+        self.secret, self.low, self.high, self.guesses, self.solved = secret, low, high, 0, False
         return opening_messages(row, self.system_prompt)
 
     def step(self, turn: ParsedTurn) -> EnvStep:
         self.guesses += 1
-        guess = last_number(turn.content)
-        counts = {"guesses": 1.0, "invalid_guesses": 0.0}
-        if guess is None or guess != guess.to_integral_value():
+        number = last_number(turn.content)
+        guess = int(number) if number is not None and number == number.to_integral_value() else None
+        # out_of_range_guesses: whole numbers outside the range the answers so far allow (a wasted guess)
+        counts = {"guesses": 1.0, "invalid_guesses": 0.0, "out_of_range_guesses": 0.0}
+        if guess is None:
             counts["invalid_guesses"] = 1.0
             feedback = "Please answer with a single whole number."
-        elif int(guess) == self.secret:
+        elif guess == self.secret:
             self.solved = True
             return EnvStep(observations=[_user("Correct!")], done=True, counts=counts)
         else:
-            feedback = "Higher." if int(guess) < self.secret else "Lower."
+            counts["out_of_range_guesses"] = float(not self.low <= guess <= self.high)
+            if guess < self.secret:
+                feedback, self.low = "Higher.", max(self.low, guess + 1)
+            else:
+                feedback, self.high = "Lower.", min(self.high, guess - 1)
+            if self.show_range:
+                feedback += f" It is between {self.low} and {self.high}."
         remaining = self.max_turns - self.guesses
         if remaining <= 0:
             return EnvStep(observations=[_user(f"{feedback} No guesses left.")], done=True, counts=counts)

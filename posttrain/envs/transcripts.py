@@ -1,4 +1,5 @@
-"""Synthetic tool-use transcripts for the calculator and word_problems environments: SFT cold starts for agentic RL.
+"""Synthetic transcripts for the built-in environments (calculator, word_problems, guess_number): SFT cold starts
+for agentic RL.
 
 Each row is a conversational SFT example that `posttrain sft` trains as is (the `messages` format with a
 `tools` column, rendered by the chat template with its tools, as TRL does):
@@ -20,12 +21,20 @@ a cold start that shows the format but not the longer chains).
     python -m posttrain.envs.transcripts --out calculator_sft.jsonl --rows 2000 --seed 0
     python -m posttrain.envs.transcripts --env word_problems --out wp_sft.jsonl --rows 8 --operations 2
     python -m posttrain.envs.transcripts --env word_problems --out wp_sft.jsonl --rows 24 --operations 2 3 4
+
+A guess_number transcript is a game played by a player who follows the rules but not the strategy: each guess
+is drawn uniformly from the range the answers so far allow (`--show-range`: the environment states that range
+in each answer), so the cold start learns the format and to stay in range, and RL is left to find that the
+middle of the range wins (51% of 1..100 games within 7 guesses for the random player, 100% for bisection):
+
+    python -m posttrain.envs.transcripts --env guess_number --out gn_sft.jsonl --rows 64 --max-turns 7 --show-range
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,8 +44,10 @@ from posttrain.envs import word_problems
 from posttrain.envs.builtin_tools import calculate, calculator
 from posttrain.envs.calculator import FINAL_ANSWER, SYSTEM_PROMPT
 from posttrain.envs.environment import Message
+from posttrain.envs.guess_number import GuessNumberEnvironment
 from posttrain.envs.tools import Tool, as_tool, run_tool_call
 from posttrain.envs.turns import ParsedTurn, ToolCall
+from posttrain.tasks.guess_number import GuessNumberTask
 from posttrain.tasks.multiplication import MultiplicationTask
 from posttrain.tasks.word_problems import MAX_OPERATIONS, MIN_OPERATIONS, WordProblemsTask, running_values
 
@@ -98,6 +109,27 @@ def word_problem_transcripts(
     return [record for group in zip(*per_count) for record in group]
 
 
+def guess_number_transcripts(
+    rows: int, seed: int = 0, max_turns: int = 7, show_range: bool = False
+) -> list[dict[str, Any]]:
+    """`rows` games over training secrets from `seed`, each guess uniform within the range the answers allow (see
+    the module docstring); a game ends with the player's last guess, won or not."""
+    rng = random.Random(f"guess_number-player:{seed}")
+    records = []
+    for row in GuessNumberTask(seed=seed).sample(rows):
+        env = GuessNumberEnvironment(max_turns, show_range=show_range)
+        messages = env.reset(row)
+        while True:
+            guess = str(rng.randint(env.low, env.high))
+            messages.append({"role": "assistant", "content": guess})
+            step = env.step(ParsedTurn(text=guess, content=guess))
+            if step.done:
+                break
+            messages += step.observations
+        records.append({"messages": messages})
+    return records
+
+
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,13 +146,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the JSONL file to write")
     parser.add_argument("--rows", type=int, default=1000, help="how many transcripts (default: 1000)")
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (default: 0)")
-    parser.add_argument("--env", choices=("calculator", "word_problems"), default="calculator", help="whose episodes")
+    parser.add_argument(
+        "--env", choices=("calculator", "word_problems", "guess_number"), default="calculator", help="whose episodes"
+    )
     parser.add_argument(
         "--operations",
         type=int,
         nargs="+",
         default=None,
         help="word_problems: only problems of this many steps; several counts split --rows evenly between them",
+    )
+    parser.add_argument("--max-turns", type=int, default=7, help="guess_number: the game's budget (default: 7)")
+    parser.add_argument(
+        "--show-range", action="store_true", help="guess_number: the environment states the range in each answer"
     )
     args = parser.parse_args(argv)
     if args.rows < 1:
@@ -134,8 +172,14 @@ def main(argv: list[str] | None = None) -> None:
         if len(set(args.operations)) != len(args.operations) or args.rows % len(args.operations):
             parser.error(f"--rows {args.rows} must split evenly over distinct --operations {args.operations}")
         args.operations = args.operations[0] if len(args.operations) == 1 else args.operations
+    if args.env != "guess_number" and (args.show_range or args.max_turns != 7):
+        parser.error("--max-turns and --show-range apply to --env guess_number")
+    if args.max_turns < 1:
+        parser.error(f"--max-turns must be positive, got {args.max_turns}")
     if args.env == "calculator":
         records = calculator_transcripts(args.rows, args.seed)
+    elif args.env == "guess_number":
+        records = guess_number_transcripts(args.rows, args.seed, args.max_turns, args.show_range)
     else:
         records = word_problem_transcripts(args.rows, args.seed, args.operations)
     path = write_jsonl(args.out, records)

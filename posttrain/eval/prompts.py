@@ -55,10 +55,12 @@ def file_rows(
     max_rows: int | None = None,
     system_prompt: str | None = None,
     template: str | None = None,
+    answer_required: bool = True,
 ) -> EvalRows:
     """Rows of a dataset file with `prompt_column` (text or chat messages) and `answer_column` (any JSON
     value, or a list of references for EM / F1). `template` (e.g. "{question}\\nAnswer:") builds a text
-    prompt from the row's columns."""
+    prompt from the row's columns. `answer_required=False`: rows without the answer column pass as they are
+    (an environment that scores its episodes itself, such as guess_number, has no reference answer)."""
     if max_rows is not None and max_rows < 1:
         raise PosttrainError(f"max_rows must be >= 1, got {max_rows}")
     if prompt_column == answer_column:
@@ -70,7 +72,7 @@ def file_rows(
             break
         where = row_location(path, n)
         for role, column in (("prompt", prompt_column), ("answer", answer_column)):
-            if column not in record:
+            if column not in record and (role == "prompt" or answer_required):
                 raise DataError(f"{where}: no {role} column {column!r} (columns: {', '.join(record) or 'none'})")
         if answer_column != ANSWER_KEY and ANSWER_KEY in record:
             raise DataError(

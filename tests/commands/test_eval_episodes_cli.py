@@ -59,3 +59,22 @@ def test_a_config_without_env_is_one_line(capsys, tmp_path: Path) -> None:
     assert main(["eval", "accuracy", "--config", str(config), "--data", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no env: section" in err[0]
+
+
+def test_an_environment_that_scores_itself_needs_no_answer_column(capsys, tmp_path: Path) -> None:
+    """guess_number rows ({"prompt", "secret"}) have no reference answer: the games are played and scored."""
+    model = save_hf_dir(turn_ending_model(eos_boost=12.0), tmp_path / "model", tokenizer=tiny_tokenizer())
+    config = tmp_path / "rl.yaml"
+    config.write_text(
+        "env:\n  name: guess_number\n  options: {max_turns: 2}\n  max_turns: 3\nrollout:\n  max_tokens: 4\n"
+    )
+    data = tmp_path / "games.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Guess a number.", "secret": s}) + "\n" for s in (3, 7)))
+    argv = ["eval", "accuracy", "--config", str(config), "--model", str(model), "--data", str(data), "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["problems"] == 2 and out["env/guesses"] == 2.0  # the budget of 2 guesses, played to its end
+    data.write_text(json.dumps({"question_text": "Guess.", "secret": 3}) + "\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no prompt column 'prompt'" in err[0]

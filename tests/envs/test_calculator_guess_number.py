@@ -68,7 +68,7 @@ def test_guess_number_feedback_and_budget():
     assert first.observations == [{"role": "user", "content": "Lower. 2 guesses left."}] and not first.done
     second = env.step(parse_hermes("no idea"))
     assert second.observations[0]["content"] == "Please answer with a single whole number. 1 guesses left."
-    assert second.counts == {"guesses": 1, "invalid_guesses": 1}
+    assert second.counts == {"guesses": 1, "invalid_guesses": 1, "out_of_range_guesses": 0}
     last = env.step(parse_hermes("30"))
     assert last.done and last.observations[0]["content"] == "Higher. No guesses left."
     assert env.episode_reward() == 0.0

@@ -109,7 +109,7 @@ def test_errors_name_the_spec(user_file):
     ):
         load_environment_factory("calculater")
     with pytest.raises(
-        EnvError, match=r"environment 'guess_number': .*'max_turn' \(options: max_turns, system_prompt\)"
+        EnvError, match=r"environment 'guess_number': .*'max_turn' \(options: max_turns, system_prompt, show_range\)"
     ):
         load_environment_factory("guess_number", options={"max_turn": 3})
     with pytest.raises(EnvError, match=r"environment 'guess_number': .*max_turns must be a positive integer"):

@@ -87,6 +87,15 @@ def rollout_in_flight(rollout: Any, eval_size: int) -> int:
     return max(batch * (1 + ahead), eval_size)
 
 
+def rl_episode_options(cfg: Any, env: EnvSection, tokenizer: Any, **env_args: Any) -> EpisodeOptions:
+    """`episode_options` of an RL run's config: its rollout's token limits, sized for the episodes the run holds
+    at once (a step's, the steps async runs ahead, or the held-out evaluation's). `env_args`: `make_env` /
+    `parser` given in Python."""
+    limits = (cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
+    in_flight = rollout_in_flight(cfg.rollout, cfg.data.eval_size)
+    return episode_options(env, tokenizer, *limits, **env_args, episodes_in_flight=in_flight)
+
+
 def load_environment(env: EnvSection) -> tuple[Any, ToolCallParser]:
     """The section's environment factory and tool-call parser (posttrain.envs)."""
     from posttrain.envs.loading import load_environment_factory

@@ -47,7 +47,7 @@ from posttrain.rollout.scoring import OverlongShaping
 from posttrain.trainers.adapters import prepare_trainable
 from posttrain.trainers.rl.async_rollout import StepConsumer, lead_steps
 from posttrain.trainers.rl.config import RLConfig, resolve_algorithm, validate_tree
-from posttrain.trainers.rl.env_section import episode_options, rollout_in_flight
+from posttrain.trainers.rl.env_section import rl_episode_options
 from posttrain.trainers.rl.metrics import collection_metrics
 from posttrain.trainers.rl.run import (
     RLRun,
@@ -137,10 +137,7 @@ def _rollout_side(cfg: RLConfig, model: nn.Module | None, tokenizer: Any, **env_
         )
     episodes = None
     if env is not None:
-        limits = (cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
-        in_flight = rollout_in_flight(cfg.rollout, cfg.data.eval_size)
-        options = episode_options(env, tokenizer, *limits, **env_args, episodes_in_flight=in_flight)
-        episodes = EpisodeGroups(options)
+        episodes = EpisodeGroups(rl_episode_options(cfg, env, tokenizer, **env_args))
     torch.manual_seed(cfg.train.seed)
     prepare_trainable(model, lora=cfg.lora, quant=cfg.quant)  # the same parameters (and names) as the trainer's
     llm = LLM(model=model, tokenizer=tokenizer, config=engine_config(cfg))

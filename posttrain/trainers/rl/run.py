@@ -46,7 +46,7 @@ from posttrain.trainers.rl.config import (
     resolve_algorithm,
     validate_tree,
 )
-from posttrain.trainers.rl.env_section import episode_options, rollout_in_flight
+from posttrain.trainers.rl.env_section import rl_episode_options
 from posttrain.trainers.rl.ppo import ValueHead, save_value_head
 from posttrain.trainers.schedule import scheduler_for
 
@@ -183,12 +183,7 @@ def setup_run(
         check_prompt_lengths(source, held_out, tokenizer, cfg.rollout.max_prompt_tokens)
     episodes = None
     if env is not None:
-        limits = (cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
-        in_flight = rollout_in_flight(cfg.rollout, cfg.data.eval_size)
-        options = episode_options(
-            env, tokenizer, *limits, make_env=make_env, parser=parser, episodes_in_flight=in_flight
-        )
-        episodes = EpisodeGroups(options)
+        episodes = EpisodeGroups(rl_episode_options(cfg, env, tokenizer, make_env=make_env, parser=parser))
     # The adapters' random initial weights come from one seed on every rank: FSDP2 keeps each rank's shard of
     # what that rank drew (DDP would broadcast rank 0's), so the ranks must all draw one process's values.
     torch.manual_seed(cfg.train.seed)
