@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo agent-demo agent-demo-calculator test test-fast lint format bench clean
+.PHONY: setup demo agent-demo agent-demo-word-problems agent-demo-calculator test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,10 +23,19 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/posttrain grpo
 
-# The agentic demo (docs/agents.md, "Word problems: RL is the lever"): an SFT cold start on 8 two-step
-# transcripts, its held-out success, GRPO on word-problem episodes of 2-4 chained calculate calls, and the
-# held-out success after RL (200 problems each; under 30 minutes on 2 CPU cores in all).
+# The agentic demo (docs/agents.md, "Guess the number: RL is the lever"): an SFT cold start on 64 games of a
+# player who guesses anywhere in the range, its held-out success, GRPO on the game's episodes, and the held-out
+# success after RL (200 games each; under 30 minutes on 2 CPU cores in all).
 agent-demo: setup
+	$(BIN)/posttrain sft examples/agent_guess_number_sft.yaml
+	$(BIN)/posttrain eval accuracy --config examples/agent_guess_number.yaml --model runs/guess-number-sft/final \
+		--data examples/data/guess_number/test.jsonl --json
+	$(BIN)/posttrain grpo examples/agent_guess_number.yaml
+	$(BIN)/posttrain eval accuracy --config examples/agent_guess_number.yaml --model runs/guess-number-grpo/best \
+		--data examples/data/guess_number/test.jsonl --json
+
+# Word problems of 2-4 chained calculator calls: RL makes two-step problems reliable, not the longer chains.
+agent-demo-word-problems: setup
 	$(BIN)/posttrain sft examples/agent_word_problems_sft.yaml
 	$(BIN)/posttrain eval accuracy --config examples/agent_word_problems.yaml --model runs/word-problems-sft/final \
 		--data examples/data/word_problems/test.jsonl --json

@@ -82,3 +82,30 @@ def test_the_transcript_command_writes_guess_number_games(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["--out", str(out), *argv])
         assert error in capsys.readouterr().err
+
+
+def test_the_demo_s_cold_start_and_test_games_are_what_their_commands_write():
+    """examples/agent_guess_number_sft.yaml trains on the 64 games its header's command writes, twice, within its
+    max_length; the test file is the task's 200 held-out games of seed 1, played in the GRPO config's game."""
+    from pathlib import Path
+
+    from posttrain.chat_templates import load_chat_template
+    from posttrain.config import load_config
+    from posttrain.data.formats import parse_conversational
+    from posttrain.data.tokenize import tokenize_sft
+    from posttrain.trainers.rl.config import GRPOConfig
+    from posttrain.trainers.sft import SFTConfig
+    from tests.trainers.rl_helpers import tokenizer as default_tokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(SFTConfig, root / "examples" / "agent_guess_number_sft.yaml")
+    records = [json.loads(line) for line in (root / cfg.data.path).read_text().splitlines()]
+    assert records == guess_number_transcripts(64, seed=0, max_turns=7, show_range=True)
+    assert 2 * len(records) == cfg.train.batch_size * cfg.train.max_steps
+    tok = default_tokenizer()
+    tok.chat_template = load_chat_template(cfg.model.chat_template)
+    assert max(len(tokenize_sft(tok, parse_conversational(r)).input_ids) for r in records) <= cfg.data.max_length
+    rl = load_config(GRPOConfig, root / "examples" / "agent_guess_number.yaml")
+    assert rl.env.options == {"max_turns": 7, "show_range": True} and rl.model.name_or_path == cfg.out + "/final"
+    test = [json.loads(line) for line in (root / "examples/data/guess_number/test.jsonl").read_text().splitlines()]
+    assert test == GuessNumberTask().held_out(200, seed=1)
