@@ -23,32 +23,30 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/posttrain grpo
 
-# The agentic demo (docs/agents.md, "Guess the number: RL is the lever"): an SFT cold start on 64 games of a
-# player who guesses anywhere in the range, its held-out success, GRPO on the game's episodes, and the held-out
-# success after RL (200 games each; under 30 minutes on 2 CPU cores in all).
+# An agentic demo in four commands: the SFT cold start, its held-out success, GRPO on the environment's episodes,
+# and the held-out success after RL. $(1): the examples' stem (examples/agent_$(1)_sft.yaml, examples/agent_$(1).yaml,
+# examples/data/$(1)/test.jsonl); $(2): the runs' stem (runs/$(2)-sft, runs/$(2)-grpo); $(3): the RL checkpoint judged.
+define agent_demo
+	$(BIN)/posttrain sft examples/agent_$(1)_sft.yaml
+	$(BIN)/posttrain eval accuracy --config examples/agent_$(1).yaml --model runs/$(2)-sft/final \
+		--data examples/data/$(1)/test.jsonl --json
+	$(BIN)/posttrain grpo examples/agent_$(1).yaml
+	$(BIN)/posttrain eval accuracy --config examples/agent_$(1).yaml --model runs/$(2)-grpo/$(3) \
+		--data examples/data/$(1)/test.jsonl --json
+endef
+
+# docs/agents.md, "Guess the number: RL is the lever": a cold start on 64 games of a player who guesses anywhere in
+# the range, then GRPO (200 held-out games judged each time; under 30 minutes on 2 CPU cores in all).
 agent-demo: setup
-	$(BIN)/posttrain sft examples/agent_guess_number_sft.yaml
-	$(BIN)/posttrain eval accuracy --config examples/agent_guess_number.yaml --model runs/guess-number-sft/final \
-		--data examples/data/guess_number/test.jsonl --json
-	$(BIN)/posttrain grpo examples/agent_guess_number.yaml
-	$(BIN)/posttrain eval accuracy --config examples/agent_guess_number.yaml --model runs/guess-number-grpo/best \
-		--data examples/data/guess_number/test.jsonl --json
+	$(call agent_demo,guess_number,guess-number,best)
 
 # Word problems of 2-4 chained calculator calls: RL makes two-step problems reliable, not the longer chains.
 agent-demo-word-problems: setup
-	$(BIN)/posttrain sft examples/agent_word_problems_sft.yaml
-	$(BIN)/posttrain eval accuracy --config examples/agent_word_problems.yaml --model runs/word-problems-sft/final \
-		--data examples/data/word_problems/test.jsonl --json
-	$(BIN)/posttrain grpo examples/agent_word_problems.yaml
-	$(BIN)/posttrain eval accuracy --config examples/agent_word_problems.yaml --model runs/word-problems-grpo/best \
-		--data examples/data/word_problems/test.jsonl --json
+	$(call agent_demo,word_problems,word-problems,best)
 
 # The first agentic demo: the calculator tool on multiplication, where the SFT cold start already solves it.
 agent-demo-calculator: setup
-	$(BIN)/posttrain sft examples/agent_calculator_sft.yaml
-	$(BIN)/posttrain grpo examples/agent_calculator.yaml
-	$(BIN)/posttrain eval accuracy --config examples/agent_calculator.yaml --model runs/calculator-grpo/final \
-		--data examples/data/calculator/test.jsonl --json
+	$(call agent_demo,calculator,calculator,final)
 
 test: setup
 	$(BIN)/python -m pytest tests

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="word_problems: only problems of this many steps; several counts split --rows evenly between them",
     )
-    parser.add_argument("--max-turns", type=int, default=7, help="guess_number: the game's budget (default: 7)")
+    parser.add_argument("--max-turns", type=int, help="guess_number: the game's budget (default: 7)")
     parser.add_argument(
         "--show-range", action="store_true", help="guess_number: the environment states the range in each answer"
     )
@@ -172,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         if len(set(args.operations)) != len(args.operations) or args.rows % len(args.operations):
             parser.error(f"--rows {args.rows} must split evenly over distinct --operations {args.operations}")
         args.operations = args.operations[0] if len(args.operations) == 1 else args.operations
-    if args.env != "guess_number" and (args.show_range or args.max_turns != 7):
+    if args.env != "guess_number" and (args.show_range or args.max_turns is not None):
         parser.error("--max-turns and --show-range apply to --env guess_number")
+    if args.max_turns is None:
+        args.max_turns = 7
     if args.max_turns < 1:
         parser.error(f"--max-turns must be positive, got {args.max_turns}")
     if args.env == "calculator":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from posttrain.estimate.inputs import Architecture, Trainer, TrainingSetup
+from posttrain.trainers.packed_groups import ROW_TOKENS
 
 SFT_LOSS_CHUNK_ROWS = 1024  # chunked_cross_entropy's default chunk (the SFT loss)
 LOGPROB_CHUNK_TOKENS = 256  # token_logprobs' DEFAULT_CHUNK_TOKENS (the DPO and RL losses)
@@ -92,8 +93,12 @@ def packed_groups(setup: TrainingSetup) -> tuple[int, int, int] | None:
         return setup.batch, 2, setup.completion_len - 1
     if layout == "scored_pairs" and setup.prompt_len > 0:
         return setup.batch, 2, setup.completion_len
-    if layout == "groups":
-        return math.ceil(setup.batch / setup.group_size), min(setup.group_size, setup.batch), setup.completion_len - 1
+    if layout == "groups":  # cut into rows of ROW_TOKENS as the RL update packs them (trainers/packed_groups.py)
+        n, inputs = min(setup.group_size, setup.batch), setup.completion_len - 1
+        per_row = n
+        if setup.prompt_len + n * inputs > ROW_TOKENS and setup.prompt_len + inputs <= ROW_TOKENS:
+            per_row = max(1, (ROW_TOKENS - setup.prompt_len) // max(inputs, 1))
+        return math.ceil(setup.batch / setup.group_size) * math.ceil(n / per_row), per_row, inputs
     return None
 
 

@@ -161,6 +161,16 @@ def test_grpo_activations_count_the_packed_rows_and_their_mask() -> None:
     assert activations_bytes(TINY, setup) == measured
 
 
+def test_grpo_rows_are_cut_as_the_update_cuts_them() -> None:
+    from posttrain.estimate.trainer_rules import trunk_tokens
+    from posttrain.trainers.packed_groups import ROW_TOKENS, pack_groups
+
+    prompt, inputs = 100, 300  # 8 completions of 301 tokens: 2 a row within ROW_TOKENS (768)
+    setup = TrainingSetup(trainer="grpo", batch=16, group_size=8, seq_len=prompt + inputs + 1, prompt_len=prompt)
+    pack = pack_groups([[1] * prompt] * 2, [[[2] * (inputs + 1)] * 8] * 2, row_tokens=ROW_TOKENS)
+    assert trunk_tokens(setup) == tuple(pack.input_ids.shape) == (8, prompt + 2 * inputs)
+
+
 # ----------------------------------------------------------------------------- every trainer's forward
 
 

@@ -53,12 +53,27 @@ def test_pack_layout() -> None:
     assert packed.positions[0, second].item() == P, "each completion's positions continue from the prompt"
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_forward_matches_per_sample_forward(temperature: float) -> None:
+def test_wide_groups_are_cut_into_rows_of_consecutive_completions() -> None:
+    prompts, completions = _groups()
+    # inputs after the prompt, row_tokens 10: group 0: 7 + [0, 4] (11: 2 would not fit), then 7 + [2]; group 1:
+    # 1 + [3, 1, 5] (10 fits); group 2: 12 + [8, 0, 0] (wider than 10, and no row would be narrower)
+    packed = pack_groups(prompts, completions, row_tokens=10)
+    assert packed.row_group.tolist() == [0, 0, 1, 2]
+    assert packed.sample_row.tolist() == [0, 0, 1, 2, 2, 2, 3, 3, 3]  # samples stay numbered group by group
+    assert packed.mask[0, 0, :, 0].sum() == 11 and packed.mask[1, 0, :, 0].sum() == 9
+    assert packed.input_ids[1, :7].tolist() == prompts[0] and packed.positions[1, 7].item() == 7  # the prompt again
+    assert packed.input_ids.shape == (4, 20)  # padded to the widest row, group 2's
+    one_row = pack_groups(prompts, completions)
+    assert torch.equal(packed.labels, one_row.labels) and torch.equal(packed.token_index, one_row.token_index)
+
+
+@pytest.mark.parametrize("temperature, row_tokens", [(1.0, None), (0.7, None), (1.0, 10)])
+def test_packed_forward_matches_per_sample_forward(temperature: float, row_tokens: int | None) -> None:
     model = _small_vocab_model()
     prompts, completions = _groups()
     with torch.no_grad():
-        out = packed_forward(model, pack_groups(prompts, completions), temperature, with_entropy=True)
+        pack = pack_groups(prompts, completions, row_tokens=row_tokens)
+        out = packed_forward(model, pack, temperature, with_entropy=True)
     flat_prompts = [p for p, grp in zip(prompts, completions) for _ in grp]
     flat_completions = [c for grp in completions for c in grp]
     with torch.no_grad():
@@ -107,20 +122,33 @@ def test_selecting_groups_of_a_pack_is_packing_them_alone() -> None:
         [torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
         for lengths in ((3, 1, 4), (6, 2, 2), (1, 1, 5), (2, 7, 3))
     ]
-    pack = pack_groups(prompts, completions)
-    for groups in ([0], [1, 3], [0, 2, 3], [2], [0, 1, 2, 3]):
-        selected = pack.select(groups)
-        alone = pack_groups([prompts[g] for g in groups], [completions[g] for g in groups])
-        for name in (
-            "input_ids",
-            "positions",
-            "mask",
-            "gather_index",
-            "labels",
-            "sample_index",
-            "token_index",
-            "completion_mask",
-        ):
-            a, b = getattr(selected, name), getattr(alone, name)
-            assert a.dtype == b.dtype and torch.equal(a, b), (groups, name)
+    # Episodes score the model's tokens only; group 1's second sample has none (it stays a sample).
+    scored = [
+        [[(g + j + k) % 2 for k in range(len(c))] for j, c in enumerate(group)] for g, group in enumerate(completions)
+    ]
+    scored[1][1] = [0, 0]
+    for flags, row_tokens in ((None, None), (scored, None), (scored, 8)):  # 8: groups 0, 1, 3 cut in two rows
+        pack = pack_groups(prompts, completions, scored=flags, row_tokens=row_tokens)
+        for groups in ([0], [1, 3], [0, 2, 3], [2], [0, 1, 2, 3]):
+            selected = pack.select(groups)
+            alone = pack_groups(
+                [prompts[g] for g in groups],
+                [completions[g] for g in groups],
+                scored=None if flags is None else [flags[g] for g in groups],
+                row_tokens=row_tokens,
+            )
+            for name in (
+                "input_ids",
+                "positions",
+                "mask",
+                "gather_index",
+                "labels",
+                "sample_index",
+                "token_index",
+                "sample_row",
+                "row_group",
+                "completion_mask",
+            ):
+                a, b = getattr(selected, name), getattr(alone, name)
+                assert a.dtype == b.dtype and torch.equal(a, b), (groups, name, flags is None, row_tokens)
         assert selected.num_input_tokens == alone.num_input_tokens

@@ -50,6 +50,30 @@ def test_trainer_logprobs_of_the_model_s_tokens_are_the_engine_s() -> None:
         assert model_tokens.sum() > 0 and diff.max() <= ENGINE_DENSE_LOGPROB_TOL, (b, diff.max())
 
 
+def test_scored_packs_take_logits_at_the_model_s_tokens_only() -> None:
+    """The update packs episodes with their model masks: the observation tokens stay context (the model's
+    tokens get the very logprobs of the unscored pack, up to the LM head's batch shape) and get no logits."""
+    llm = make_llm()
+    play = runner(llm)
+    episodes, _ = play.run(ROWS * 2, [1, 2, 3, 4])
+    batch = episodes_to_batch([episodes[i] for i in (0, 2, 1, 3)], 2, play.chat, "zero", "ignore")
+    G = batch.group_size
+    masks = [batch.completion_mask[g * G : (g + 1) * G] for g in range(batch.num_groups)]
+    full = pack_groups(batch.prompt_ids, batch.group_completions())
+    scored = pack_groups(batch.prompt_ids, batch.group_completions(), scored=masks)
+    assert scored.labels.numel() == sum(map(sum, batch.completion_mask)) < full.labels.numel()
+    with torch.no_grad():
+        everything = packed_forward(llm.engine.model, full, temperature=1.0).logprobs  # (B, L)
+        own = packed_forward(llm.engine.model, scored, temperature=1.0).logprobs  # (B, L)
+    model_tokens = torch.zeros_like(own, dtype=torch.bool)
+    for b, mask in enumerate(batch.completion_mask):
+        model_tokens[b, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+    assert own.shape == everything.shape and (own[~model_tokens] == 0).all()
+    assert (own[model_tokens] - everything[model_tokens]).abs().max() <= ENGINE_DENSE_LOGPROB_TOL
+    with pytest.raises(ValueError, match="one flag per completion token"):
+        pack_groups(batch.prompt_ids, batch.group_completions(), scored=[m[:1] for m in masks])
+
+
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
     return write_questions(tmp_path / "questions.jsonl")

@@ -24,7 +24,7 @@ from posttrain.models.moe import moe_blocks, router_loss_and_metrics
 from posttrain.rollout.batch import RolloutBatch
 from posttrain.trainers.accumulate import accumulate_gradients
 from posttrain.trainers.optim import optimizer_step
-from posttrain.trainers.packed_groups import PackedGroups, pack_groups
+from posttrain.trainers.packed_groups import ROW_TOKENS, PackedGroups, pack_groups
 from posttrain.trainers.rl.metrics import WeightedMeans
 from posttrain.trainers.rl.run import RLRun, policy_forward
 from posttrain.trainers.rl.zero_advantage import TrainedPack, trained_packs, zero_advantage_is_free
@@ -66,10 +66,18 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     G = batch.group_size
     micro = run.rank_sizes[2] // G  # groups per micro-batch
     groups = batch.group_completions()
+    # Episodes: logits for the model's own tokens only; the environment's (most of a game's) are context.
+    scored = None
+    if batch.completion_mask is not None:
+        masks = batch.completion_mask
+        scored = [masks[g * G : (g + 1) * G] for g in range(batch.num_groups)]
     packs, slices = [], []
     for g0 in range(0, batch.num_groups, micro):
         g1 = min(g0 + micro, batch.num_groups)
-        packs.append(pack_groups(batch.prompt_ids[g0:g1], groups[g0:g1], run.device))
+        chosen = scored[g0:g1] if scored is not None else None
+        packs.append(
+            pack_groups(batch.prompt_ids[g0:g1], groups[g0:g1], run.device, scored=chosen, row_tokens=ROW_TOKENS)
+        )
         slices.append(slice(g0 * G, g1 * G))
     lengths = [len(ids) for ids in batch.completion_ids]
     L = max(lengths)
