@@ -37,8 +37,7 @@ from posttrain.algos import entropy_from_logits, token_logprobs
 from posttrain.models.attention import DenseAttentionMetadata
 
 # The update's rows (trainers/rl/update.py): past ~768 tokens a row's (T, T) attention costs more than a second
-# row's prompt. 8 guess-number episodes of ~170 tokens after a 75-token prompt, fwd + bwd of the default model
-# (fp32, AVX2-only 2-core CPU, logits at the model's tokens only): 55 s in rows of 1422 tokens, 41 s of <= 755.
+# row's prompt (benchmarks/packed_update.py: 8 guess-number episodes of ~170 tokens after a 75-token prompt).
 ROW_TOKENS = 768
 
 
