@@ -60,8 +60,9 @@ def episode(rng: random.Random, vocab: int) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def rows_loss(model: torch.nn.Module, prompts, episodes, masks, temperature: float = 1.0) -> torch.Tensor:
-    """The plain layout: B right-padded rows [prompt, episode], the LM head at every position."""
+def padded_rows(prompts, episodes, masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain layout's inputs: (B, W) right-padded rows [prompt, episode] and the (B, W - 1) mask of the
+    targets that are the model's tokens."""
     flat = [(p, e, m) for p, group, group_masks in zip(prompts, episodes, masks) for e, m in zip(group, group_masks)]
     width = max(len(p) + len(e) for p, e, _ in flat)
     ids = torch.zeros(len(flat), width, dtype=torch.long)
@@ -69,9 +70,16 @@ def rows_loss(model: torch.nn.Module, prompts, episodes, masks, temperature: flo
     for b, (p, e, m) in enumerate(flat):
         ids[b, : len(p) + len(e)] = torch.tensor(p + e)
         target_mask[b, len(p) - 1 : len(p) - 1 + len(e)] = torch.tensor(m, dtype=torch.float32)
-    logits = model(ids)[:, :-1]  # (B, width - 1, V); padding is on the right, after every real token
-    logprobs = token_logprobs(logits, ids[:, 1:], temperature)  # (B, width - 1)
-    return (logprobs * target_mask).sum()
+    return ids, target_mask
+
+
+def model_token_mask(masks, width: int) -> torch.Tensor:
+    """(B, width) the packed layouts' per-sample mask of the model's tokens."""
+    flat = [m for group in masks for m in group]
+    target = torch.zeros(len(flat), width)
+    for b, m in enumerate(flat):
+        target[b, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return target
 
 
 def main() -> None:
@@ -103,15 +111,15 @@ def main() -> None:
         "scored_cut": pack_groups(prompts, episodes, scored=masks, row_tokens=ROW_TOKENS),
     }
 
+    row_ids, row_targets = padded_rows(prompts, episodes, masks)  # built once: the timing is the forward's
+    packed_targets = model_token_mask(masks, packs["packed"].max_len)
+
     def loss_of(layout: str) -> torch.Tensor:
         if layout == "rows":
-            return rows_loss(model, prompts, episodes, masks)
+            logits = model(row_ids)[:, :-1]  # (B, W - 1, V); padding is on the right, after every real token
+            return (token_logprobs(logits, row_ids[:, 1:], 1.0) * row_targets).sum()
         out = packed_forward(model, packs[layout], 1.0)  # (B, L) logprobs, 0 where nothing was gathered
-        flat_masks = [m for group in masks for m in group]
-        target = torch.zeros_like(out.logprobs)
-        for b, m in enumerate(flat_masks):
-            target[b, : len(m)] = torch.tensor(m, dtype=torch.float32)
-        return (out.logprobs * target).sum()
+        return (out.logprobs * packed_targets).sum()
 
     losses: dict[str, float] = {}
 

@@ -51,6 +51,8 @@ from posttrain.tasks.guess_number import GuessNumberTask
 from posttrain.tasks.multiplication import MultiplicationTask
 from posttrain.tasks.word_problems import MAX_OPERATIONS, MIN_OPERATIONS, WordProblemsTask, running_values
 
+GAME_TURNS = 7  # guess_number's budget in the demo's games: what bisection needs for 1..100
+
 _OPERANDS = re.compile(r"(\d+)\D+(\d+)")
 
 
@@ -110,7 +112,7 @@ def word_problem_transcripts(
 
 
 def guess_number_transcripts(
-    rows: int, seed: int = 0, max_turns: int = 7, show_range: bool = False
+    rows: int, seed: int = 0, max_turns: int = GAME_TURNS, show_range: bool = False
 ) -> list[dict[str, Any]]:
     """`rows` games over training secrets from `seed`, each guess uniform within the range the answers allow (see
     the module docstring); a game ends with the player's last guess, won or not."""
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="word_problems: only problems of this many steps; several counts split --rows evenly between them",
     )
-    parser.add_argument("--max-turns", type=int, help="guess_number: the game's budget (default: 7)")
+    parser.add_argument("--max-turns", type=int, help=f"guess_number: the game's budget (default: {GAME_TURNS})")
     parser.add_argument(
         "--show-range", action="store_true", help="guess_number: the environment states the range in each answer"
     )
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.env != "guess_number" and (args.show_range or args.max_turns is not None):
         parser.error("--max-turns and --show-range apply to --env guess_number")
     if args.max_turns is None:
-        args.max_turns = 7
+        args.max_turns = GAME_TURNS
     if args.max_turns < 1:
         parser.error(f"--max-turns must be positive, got {args.max_turns}")
     if args.env == "calculator":

@@ -97,7 +97,7 @@ def packed_groups(setup: TrainingSetup) -> tuple[int, int, int] | None:
         n, inputs = min(setup.group_size, setup.batch), setup.completion_len - 1
         per_row = n
         if setup.prompt_len + n * inputs > ROW_TOKENS and setup.prompt_len + inputs <= ROW_TOKENS:
-            per_row = max(1, (ROW_TOKENS - setup.prompt_len) // max(inputs, 1))
+            per_row = (ROW_TOKENS - setup.prompt_len) // inputs  # >= 1: a completion fits after the prompt
         return math.ceil(setup.batch / setup.group_size) * math.ceil(n / per_row), per_row, inputs
     return None
 

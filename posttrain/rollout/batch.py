@@ -59,9 +59,13 @@ class RolloutBatch:
             out[b] = torch.tensor(row + [row[-1]] * (L - len(row)), dtype=torch.long)[:L]
         return out
 
-    def group_completions(self) -> list[list[list[int]]]:
+    def grouped(self, per_sample: list[Any]) -> list[list[Any]]:
+        """A per-sample list (in the batch's order) cut into its groups of group_size."""
         G = self.group_size
-        return [self.completion_ids[g * G : (g + 1) * G] for g in range(self.num_groups)]
+        return [per_sample[g * G : (g + 1) * G] for g in range(self.num_groups)]
+
+    def group_completions(self) -> list[list[list[int]]]:
+        return self.grouped(self.completion_ids)
 
     def select_groups(self, groups: list[int]) -> RolloutBatch:
         G = self.group_size

@@ -57,8 +57,7 @@ def test_scored_packs_take_logits_at_the_model_s_tokens_only() -> None:
     play = runner(llm)
     episodes, _ = play.run(ROWS * 2, [1, 2, 3, 4])
     batch = episodes_to_batch([episodes[i] for i in (0, 2, 1, 3)], 2, play.chat, "zero", "ignore")
-    G = batch.group_size
-    masks = [batch.completion_mask[g * G : (g + 1) * G] for g in range(batch.num_groups)]
+    masks = batch.grouped(batch.completion_mask)
     full = pack_groups(batch.prompt_ids, batch.group_completions())
     scored = pack_groups(batch.prompt_ids, batch.group_completions(), scored=masks)
     assert scored.labels.numel() == sum(map(sum, batch.completion_mask)) < full.labels.numel()

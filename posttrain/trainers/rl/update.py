@@ -67,10 +67,7 @@ def prepare_batch(run: RLRun, batch: RolloutBatch) -> StepBatch:
     micro = run.rank_sizes[2] // G  # groups per micro-batch
     groups = batch.group_completions()
     # Episodes: logits for the model's own tokens only; the environment's (most of a game's) are context.
-    scored = None
-    if batch.completion_mask is not None:
-        masks = batch.completion_mask
-        scored = [masks[g * G : (g + 1) * G] for g in range(batch.num_groups)]
+    scored = batch.grouped(batch.completion_mask) if batch.completion_mask is not None else None
     packs, slices = [], []
     for g0 in range(0, batch.num_groups, micro):
         g1 = min(g0 + micro, batch.num_groups)
