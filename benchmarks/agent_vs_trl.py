@@ -4,6 +4,9 @@ tool (`tools=[...]`), each for `--minutes` of wall time, one after the other, fr
 `--task` picks the demo (its configs, tool, held-out file and cold start):
   calculator     examples/agent_calculator.yaml: multiplication with the `calculator` tool
   word_problems  examples/agent_word_problems.yaml: word problems of 2-4 chained `calculate` calls
+  guess_number_tools  examples/agent_guess_number_tools.yaml: the guessing game with each guess a `guess` call
+                 (a TRL environment_factory class, posttrain/envs/guess_number_tools.py, that both sides play
+                 unchanged: TRL as `environment_factory=`, posttrain through its TRL adapter; reward: the game's)
 
 Both sides: the cold-started default model (`--start`, default the demo's SFT output, e.g.
 runs/calculator-sft/final from `posttrain sft examples/agent_calculator_sft.yaml`; run first when missing), the
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import subprocess
@@ -79,9 +83,10 @@ class Demo:
     sft_config: Path
     test_data: Path
     start: Path
-    tool: str  # a function of posttrain.envs.builtin_tools
+    tool: str | None  # a function of posttrain.envs.builtin_tools, or None: the game's own tools
     task: str  # a posttrain.tasks name
-    environment: str  # the posttrain.envs module whose SYSTEM_PROMPT opens an episode
+    environment: str  # the posttrain.envs module whose SYSTEM_PROMPT opens an episode (unless the config sets one)
+    environment_factory: str | None = None  # module:Class of a TRL environment both sides play (its own reward)
 
 
 DEMOS = {
@@ -102,6 +107,16 @@ DEMOS = {
         "calculate",
         "word_problems",
         "posttrain.envs.word_problems",
+    ),
+    "guess_number_tools": Demo(
+        ROOT / "examples" / "agent_guess_number_tools.yaml",
+        ROOT / "examples" / "agent_guess_number_tools_sft.yaml",
+        ROOT / "examples" / "data" / "guess_number" / "test.jsonl",
+        ROOT / "runs" / "guess-number-tools-sft" / "final",
+        None,
+        "guess_number",
+        "posttrain.envs.guess_number_tools",
+        "posttrain.envs.guess_number_tools:GuessNumberGame",
     ),
 }
 
@@ -145,6 +160,8 @@ def shared_settings(demo: Demo) -> dict[str, Any]:
         "lr": cfg.optim.lr,
         "seed": cfg.train.seed,
         "data_seed": cfg.data.seed,
+        "system_prompt": cfg.env.options.get("system_prompt"),  # None: the environment module's SYSTEM_PROMPT
+        "env_options": {k: v for k, v in cfg.env.options.items() if k != "system_prompt"},
         "task_options": dict(cfg.data.task_options),  # e.g. word_problems' operation_weights: the same mix of draws
         # the environment's per-step reward, when the config adds it to the outcome (word_problems' step_reward)
         "step_reward": cfg.env.options.get("step_reward", 0.0) if cfg.env.turn_rewards == "sum" else 0.0,
@@ -269,7 +286,8 @@ def trl_rows(demo: Demo, settings: dict[str, Any], count: int) -> list[dict[str,
 
     from posttrain.tasks import make_task
 
-    system = {"role": "system", "content": importlib.import_module(demo.environment).SYSTEM_PROMPT}
+    prompt = settings.get("system_prompt") or importlib.import_module(demo.environment).SYSTEM_PROMPT
+    system = {"role": "system", "content": prompt}
     rows = make_task(demo.task, seed=settings["data_seed"], **settings["task_options"]).sample(count)
     # the prompt opened as the environment opens it; the other columns reach the reward functions (TRL's kwargs)
     return [{**r, "prompt": [system, *r["prompt"]]} for r in rows]
@@ -284,6 +302,7 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
     from trl import GRPOTrainer, chat_template_utils
 
     from posttrain.envs import builtin_tools
+    from posttrain.imports import load_object
 
     out = args.out / "trl"
     model = AutoModelForCausalLM.from_pretrained(str(start), dtype=torch.float32)
@@ -294,7 +313,6 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
         tokenizer.response_template = chat_template_utils.qwen3_template
     else:
         tokenizer.response_schema = chat_template_utils.qwen3_schema
-    batch = settings["prompts_per_step"] * settings["samples_per_prompt"]
     snapshots = Snapshots(out, args.minutes, args.points)
 
     class Clock(TrainerCallback):
@@ -329,8 +347,11 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
 
     trl_args = TRLConfig(
         output_dir=str(out),
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        # one optimizer step on prompts x samples episodes, as posttrain's; its backward one prompt's group at a
+        # time (TRL generates the whole step's batch at once either way): the batch's logits in one piece (32
+        # episodes x ~800 tokens x 49k vocabulary in fp32) do not fit in 24 GiB
+        per_device_train_batch_size=settings["samples_per_prompt"],
+        gradient_accumulation_steps=settings["prompts_per_step"],
         num_generations=settings["samples_per_prompt"],
         max_completion_length=settings["max_episode_tokens"],
         max_tool_calling_iterations=settings["max_turns"] - 1,
@@ -353,14 +374,21 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
         warmup_steps=0,
     )
     rows = trl_rows(args.demo, settings, settings["prompts_per_step"] * 2000)
+    if args.demo.environment_factory:  # the game's tools and reward (get_reward), built as the config builds it
+        game = load_object(args.demo.environment_factory, "environment", ValueError)
+        agent: dict[str, Any] = {"environment_factory": functools.partial(game, **settings["env_options"])}
+    else:
+        agent = {
+            "tools": [getattr(builtin_tools, args.demo.tool)],
+            "reward_funcs": reward_functions(settings["step_reward"]),
+        }
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_functions(settings["step_reward"]),
         args=trl_args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        tools=[getattr(builtin_tools, args.demo.tool)],
         callbacks=[Clock()],
+        **agent,
     )
     trainer.train()
     return snapshots.saved

@@ -131,7 +131,7 @@ def main() -> None:
         loss.backward()
         seconds = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
-        losses[layout] = float(loss)
+        losses[layout] = float(loss.detach())
         return seconds
 
     for layout in LAYOUTS:  # warm-up, excluded

@@ -11,7 +11,8 @@ messages (`step`), and may score the whole episode at its end (`episode_reward`)
 - `tool_calls`: tool-call parsers by name (`hermes`, for the `chatml_tools` template) or `file.py:function`.
 - `tool_env`: `ToolEnvironment`, the generic one (tools until a turn without a call).
 - `trl_adapter`: TRL's `environment_factory` classes, run unchanged (`TRLEnvironment`).
-- `calculator`, `guess_number`, `word_problems`: the built-in environments; `transcripts`: their SFT transcripts.
+- `calculator`, `guess_number`, `word_problems`: the built-in environments; `guess_number_tools`: the game as a TRL
+  environment_factory class (each guess a tool call); `transcripts`: their SFT transcripts.
 - `loading`: `load_environment_factory(name, tools, options)`, built-ins or `file.py:Class` / `module:Class`.
 """
 

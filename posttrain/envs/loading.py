@@ -6,7 +6,8 @@
     tools                           the generic ToolEnvironment over `tools` (tool_env.py)
     path/to/file.py:Class           a class of the user's, from a file or
     package.module:Class            a module: a posttrain Environment (reset / step / episode_reward) or a
-                                    TRL environment_factory class (reset, tool methods, get_reward), detected
+                                    TRL environment_factory class (reset, tool methods, get_reward), detected;
+                                    posttrain.envs.guess_number_tools:GuessNumberGame is one (guess_number as a tool)
 
 `tools` entries are built-in tool names (calculator, calculate, python) or `path.py:function` / `module:function`; they
 are the generic environment's tools, or tools added to a TRL environment's methods. `options` go to the

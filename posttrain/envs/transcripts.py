@@ -28,6 +28,11 @@ in each answer), so the cold start learns the format and to stay in range, and R
 middle of the range wins (51% of 1..100 games within 7 guesses for the random player, 100% for bisection):
 
     python -m posttrain.envs.transcripts --env guess_number --out gn_sft.jsonl --rows 64 --max-turns 7 --show-range
+
+`--env guess_number_tools` writes the same players' games in the tool form (each guess a `guess` tool call, the
+form TRL's GRPOTrainer plays; posttrain/envs/guess_number_tools.py), ending with a turn without a call:
+
+    python -m posttrain.envs.transcripts --env guess_number_tools --out gnt_sft.jsonl --rows 64 --show-range
 """
 
 from __future__ import annotations
@@ -40,18 +45,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.envs import word_problems
+from posttrain.envs import guess_number_tools, word_problems
 from posttrain.envs.builtin_tools import calculate, calculator
 from posttrain.envs.calculator import FINAL_ANSWER, SYSTEM_PROMPT
 from posttrain.envs.environment import Message
-from posttrain.envs.guess_number import GuessNumberEnvironment
+from posttrain.envs.guess_number import BISECTION_TURNS, GuessNumberEnvironment
+from posttrain.envs.guess_number_tools import GuessNumberGame
 from posttrain.envs.tools import Tool, as_tool, run_tool_call
+from posttrain.envs.trl_adapter import trl_environment_factory
 from posttrain.envs.turns import ParsedTurn, ToolCall
 from posttrain.tasks.guess_number import GuessNumberTask
 from posttrain.tasks.multiplication import MultiplicationTask
 from posttrain.tasks.word_problems import MAX_OPERATIONS, MIN_OPERATIONS, WordProblemsTask, running_values
 
-GAME_TURNS = 7  # guess_number's budget in the demo's games: what bisection needs for 1..100
+GAME_TURNS = BISECTION_TURNS  # guess_number's budget in the demo's games
 
 _OPERANDS = re.compile(r"(\d+)\D+(\d+)")
 
@@ -122,13 +129,39 @@ def guess_number_transcripts(
         env = GuessNumberEnvironment(max_turns, show_range=show_range)
         messages = env.reset(row)
         while True:
-            guess = str(rng.randint(env.low, env.high))
+            guess = str(rng.randint(env.game.low, env.game.high))
             messages.append({"role": "assistant", "content": guess})
             step = env.step(ParsedTurn(text=guess, content=guess))
             if step.done:
                 break
             messages += step.observations
         records.append({"messages": messages})
+    return records
+
+
+def guess_number_tool_transcripts(
+    rows: int, seed: int = 0, max_turns: int = GAME_TURNS, show_range: bool = False
+) -> list[dict[str, Any]]:
+    """The same players' games in the tool form (posttrain/envs/guess_number_tools.py): each guess a `guess`
+    call, answered by the game's own tool through the TRL adapter, then a last turn without a call (the number
+    when found, else that the guesses ran out), where TRL's convention ends an episode."""
+    rng = random.Random(f"guess_number-player:{seed}")
+    make = trl_environment_factory(
+        GuessNumberGame, system_prompt=guess_number_tools.SYSTEM_PROMPT, max_turns=max_turns, show_range=show_range
+    )
+    records = []
+    for row in GuessNumberTask(seed=seed).sample(rows):
+        env = make()
+        game = env.environment.game
+        messages = env.reset(row)
+        while not game.over:
+            number = rng.randint(game.low, game.high)
+            call = ToolCall(name="guess", arguments={"number": number}, id=f"call_{game.guesses}")
+            turn = ParsedTurn(text="", content="", tool_calls=[call])
+            messages += [turn.as_message(), *env.step(turn).observations]
+        final = f"The number is {game.secret}." if game.solved else "I ran out of guesses."
+        messages.append({"role": "assistant", "content": final})
+        records.append({"messages": messages, "tools": [tool.schema for tool in env.tools]})
     return records
 
 
@@ -149,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1000, help="how many transcripts (default: 1000)")
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (default: 0)")
     parser.add_argument(
-        "--env", choices=("calculator", "word_problems", "guess_number"), default="calculator", help="whose episodes"
+        "--env",
+        choices=("calculator", "word_problems", "guess_number", "guess_number_tools"),
+        default="calculator",
+        help="whose episodes",
     )
     parser.add_argument(
         "--operations",
@@ -158,9 +194,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="word_problems: only problems of this many steps; several counts split --rows evenly between them",
     )
-    parser.add_argument("--max-turns", type=int, help=f"guess_number: the game's budget (default: {GAME_TURNS})")
     parser.add_argument(
-        "--show-range", action="store_true", help="guess_number: the environment states the range in each answer"
+        "--max-turns", type=int, help=f"guess_number(_tools): the game's budget (default: {GAME_TURNS})"
+    )
+    parser.add_argument(
+        "--show-range", action="store_true", help="guess_number(_tools): each answer states the range still possible"
     )
     args = parser.parse_args(argv)
     if args.rows < 1:
@@ -174,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         if len(set(args.operations)) != len(args.operations) or args.rows % len(args.operations):
             parser.error(f"--rows {args.rows} must split evenly over distinct --operations {args.operations}")
         args.operations = args.operations[0] if len(args.operations) == 1 else args.operations
-    if args.env != "guess_number" and (args.show_range or args.max_turns is not None):
-        parser.error("--max-turns and --show-range apply to --env guess_number")
+    if not args.env.startswith("guess_number") and (args.show_range or args.max_turns is not None):
+        parser.error("--max-turns and --show-range apply to --env guess_number and guess_number_tools")
     if args.max_turns is None:
         args.max_turns = GAME_TURNS
     if args.max_turns < 1:
@@ -184,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         records = calculator_transcripts(args.rows, args.seed)
     elif args.env == "guess_number":
         records = guess_number_transcripts(args.rows, args.seed, args.max_turns, args.show_range)
+    elif args.env == "guess_number_tools":
+        records = guess_number_tool_transcripts(args.rows, args.seed, args.max_turns, args.show_range)
     else:
         records = word_problem_transcripts(args.rows, args.seed, args.operations)
     path = write_jsonl(args.out, records)

@@ -191,6 +191,10 @@ def trl_environment_factory(
         inspect.signature(cls).bind(**options)
     except TypeError as error:
         raise EnvError(f"TRL environment {cls.__name__}: {error} (options go to its constructor)") from None
+    try:
+        cls(**options)  # one instance now, as TRL probes one: a bad option's value fails here, named
+    except (EnvError, TypeError, ValueError) as error:
+        raise EnvError(f"TRL environment {cls.__name__}: {error}") from None
 
     def make() -> TRLEnvironment:
         return TRLEnvironment(cls(**options), schemas, tools, system_prompt, tool_timeout_s)

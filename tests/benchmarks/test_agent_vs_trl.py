@@ -115,6 +115,20 @@ def test_word_problems_demo_takes_its_own_config_tool_and_rows(bench, tmp_path: 
     assert bench.reward_functions(0.0) == [bench.final_answer_reward]
 
 
+def test_guess_number_tools_demo_plays_the_games_class_on_both_sides(bench, tmp_path: Path, capsys) -> None:
+    from posttrain.envs import guess_number_tools
+
+    args = bench.parse_args(["--task", "guess_number_tools"])
+    assert args.demo.tool is None and args.demo.environment_factory.endswith(":GuessNumberGame")
+    bench.main(["--dry-run", "--task", "guess_number_tools", "--start", str(tmp_path / "none")])
+    settings = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["settings"]
+    assert settings["env_options"] == {"max_turns": 7, "show_range": True}  # TRL builds the game as the config does
+    assert (settings["max_turns"], settings["step_reward"]) == (8, 0.0)
+    rows = bench.trl_rows(args.demo, settings, 3)
+    assert all(r["prompt"][0]["content"] == guess_number_tools.SYSTEM_PROMPT for r in rows)
+    assert all(1 <= r["secret"] <= 100 for r in rows)  # the columns TRL's reset(**row) receives
+
+
 def test_snapshots_are_evenly_spaced(bench, tmp_path: Path) -> None:
     clock = bench.Snapshots(tmp_path, minutes=10, points=5)  # every 2 minutes
     assert not clock.due(119)

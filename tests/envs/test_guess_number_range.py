@@ -58,7 +58,7 @@ def test_transcripts_guess_within_the_range_and_replay_through_the_environment()
         env = GuessNumberEnvironment(7, show_range=True)
         assert env.reset(row) == messages[:2]
         for guess, answer in zip(messages[2::2], [*messages[3::2], None]):
-            low, high = env.low, env.high
+            low, high = env.game.low, env.game.high
             assert low <= int(guess["content"]) <= high  # the player never wastes a guess
             step = env.step(parse_hermes(guess["content"]))
             assert step.observations[0] == answer or step.done

@@ -85,7 +85,7 @@ def test_builtins():
     assert isinstance(calculator, ToolEnvironment) and [t.name for t in calculator.tools] == ["calculator"]
     factory = load_environment_factory("guess_number", options={"max_turns": 4})
     first, second = factory(), factory()
-    assert isinstance(first, GuessNumberEnvironment) and first.max_turns == 4 and first is not second
+    assert isinstance(first, GuessNumberEnvironment) and first.game.max_turns == 4 and first is not second
     generic = load_environment_factory("tools", tools=["calculator", "python"], options={"system_prompt": "hi"})()
     assert [t.name for t in generic.tools] == ["calculator", "python"] and generic.system_prompt == "hi"
 
