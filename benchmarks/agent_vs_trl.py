@@ -228,7 +228,8 @@ def train_posttrain(start: Path, args: argparse.Namespace) -> list[dict[str, Any
             print(
                 f"posttrain step {step}: {metrics['time/step_s']:.1f}s (cpu {time.process_time() - cpu:.1f}s) "
                 f"reward={metrics['reward/mean']:.3f} tool_calls={metrics.get('env/tool_calls', 0):.2f} "
-                f"turns={metrics.get('env/turns', 0):.2f} elapsed={trained_s / 60:.2f} min load={load_average()}",
+                f"turns={metrics.get('env/turns', 0):.2f} peak_rss={metrics.get('memory/peak_rss_gb', 0):.1f}GB "
+                f"elapsed={trained_s / 60:.2f} min load={load_average()}",
                 flush=True,
             )
             if snapshots.due(trained_s) or trained_s >= args.minutes * 60:
@@ -303,6 +304,7 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
 
     from posttrain.envs import builtin_tools
     from posttrain.imports import load_object
+    from posttrain.trainers.rl.metrics import peak_memory_gb
 
     out = args.out / "trl"
     model = AutoModelForCausalLM.from_pretrained(str(start), dtype=torch.float32)
@@ -330,6 +332,7 @@ def train_trl(start: Path, args: argparse.Namespace, settings: dict[str, Any]) -
             self.trained_s += took
             print(
                 f"trl step {state.global_step}: {took:.1f}s (cpu {time.process_time() - self.cpu:.1f}s) "
+                f"peak_rss={peak_memory_gb(torch.device('cpu'))['memory/peak_rss_gb']:.1f}GB "
                 f"elapsed={self.trained_s / 60:.2f} min load={load_average()}",
                 flush=True,
             )

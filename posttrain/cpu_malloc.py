@@ -102,6 +102,15 @@ def set_malloc_policy(policy: Policy) -> Policy:
     return previous
 
 
+def return_free_memory() -> bool:
+    """Hand the free pages of glibc's heap back to the OS now (`malloc_trim(0)`: the top and the free pages
+    between live blocks), whatever the policy. Under `hold` nothing else ever does, so a long run that alternates
+    phases of different shapes (a rollout's temporaries, an update's activations) stays resident at the high-water
+    mark of all of them plus the holes between. Returns whether glibc released any memory (False off glibc)."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
 @contextmanager
 def malloc_policy(policy: Policy) -> Iterator[None]:
     """`policy` for the duration of the block, then the previous one (a previous `default` stays

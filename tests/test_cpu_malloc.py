@@ -78,6 +78,20 @@ def test_hold_scope_gives_back_what_it_kept_and_restores_release() -> None:
     assert out["kept_inside"] > 60 and out["trimmed"] > 60
 
 
+def test_return_free_memory_gives_back_what_hold_kept() -> None:
+    out = run_probe("""
+        from posttrain.cpu_malloc import return_free_memory
+        set_malloc_policy("hold")
+        out["kept"] = retained()[0]
+        before = rss()
+        out["returned"] = return_free_memory()
+        out["trimmed"] = (before - rss()) / 2**20
+        out["policy"] = current_malloc_policy()
+    """)
+    assert out["kept"] > 60  # hold alone keeps the 72 MiB resident
+    assert out["returned"] and out["trimmed"] > 60 and out["policy"] == "hold"  # trimmed, the policy unchanged
+
+
 def test_trainers_set_release_on_cpu_unless_told_to_keep() -> None:
     body = """
         from posttrain.distributed.config import DistSection

@@ -48,6 +48,22 @@ def test_one_step_updates_the_weights_the_engine_runs(tmp_path: Path, tok) -> No
     assert before.token_ids != after.token_ids or before.logprobs != after.logprobs, "the engine must see the step"
 
 
+def test_a_step_under_the_engines_hold_gives_the_free_heap_back(tmp_path: Path, tok, monkeypatch) -> None:
+    """model.cpu_memory=keep leaves the process in the engine's `hold` (nothing trims): each step then returns
+    the heap's free pages once, after its update; under `release` glibc already does, so the step does not."""
+    import posttrain.trainers.rl.step as step_module
+
+    trims: list[int] = []
+    monkeypatch.setattr(step_module, "return_free_memory", lambda: trims.append(1) or True)
+    run = setup_run(
+        load_config(GRPOConfig, None, rl_overrides(tmp_path, "trim")), "grpo", model=tiny_model(tok), tokenizer=tok
+    )
+    monkeypatch.setattr(step_module, "current_malloc_policy", lambda: "hold")
+    assert "time/trim_s" in rl_step(run, 1) and trims == [1]
+    monkeypatch.setattr(step_module, "current_malloc_policy", lambda: "release")
+    assert "time/trim_s" not in rl_step(run, 2) and trims == [1]
+
+
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_preset_steps_without_nan(tmp_path: Path, tok, algorithm: str) -> None:
     extra = [f"algorithm={algorithm}", "kl.beta=0.05", "train.epochs=2", "train.minibatch_size=4"]

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from posttrain.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean
+from posttrain.cpu_malloc import current_malloc_policy, return_free_memory
 from posttrain.distributed.env import reduce_metrics
 from posttrain.rollout.collect import collect_rollout, prompt_seed_base
 from posttrain.rollout.generate import generate_groups
@@ -206,6 +207,13 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
         update_metrics, train_tokens = update_policy(run, step, data, targets)
     metrics.update(update_metrics)
     metrics["tokens/train_per_s"] = train_tokens / max(timer.seconds["update"], 1e-9)
+    if run.device.type == "cpu" and current_malloc_policy() == "hold":
+        # model.cpu_memory=keep leaves the process in the engine's `hold` (posttrain.cpu_malloc), which never
+        # trims: without this, each step's update activations and rollout temporaries land in new holes and the
+        # resident set climbs step after step (24 GiB by step 18 of examples/agent_guess_number_tools.yaml, with
+        # ~2.6 GiB live between steps). Once a step, the free pages go back; the next step faults them in again.
+        with timer("trim"):
+            return_free_memory()
     metrics["policy_version"] = run.llm.policy_version
     metrics["rollout_policy_version"] = min(batch.policy_versions)
     _step_done(run, step, metrics)
