@@ -237,9 +237,9 @@ def test_the_guess_number_example_fits_its_prompts() -> None:
     tok.chat_template = load_chat_template(cfg.model.chat_template)
     options = episode_options(cfg.env, tok, cfg.rollout.max_tokens, cfg.rollout.max_prompt_tokens)
     env = options.make_env()
-    assert env.max_turns == cfg.env.max_turns and not options.chat.tools  # no tools: none rendered
+    assert env.game.max_turns == cfg.env.max_turns and not options.chat.tools  # no tools: none rendered
     for row in make_task(cfg.data.task).held_out(cfg.data.eval_size):
         opening = env.reset(row)
         assert opening[0]["role"] == "system" and "one whole number" in opening[0]["content"]
         assert len(options.chat.opening_ids(opening)) <= cfg.rollout.max_prompt_tokens
-    assert env.show_range and cfg.train.max_minutes == 24  # the demo's budget: 30 minutes with the cold start
+    assert env.game.show_range and cfg.train.max_minutes == 24  # the demo's budget: 30 minutes with the cold start
