@@ -62,6 +62,10 @@ class GuessingGame:
     def over(self) -> bool:
         return self.solved or self.guesses >= self.max_turns
 
+    def reward(self) -> float:
+        """1.0 when the secret was found within the budget, else 0.0 (both forms' episode reward)."""
+        return 1.0 if self.solved else 0.0
+
     def answer(self, guess: int | None) -> tuple[str, bool, dict[str, float]]:
         """One guess (None: the turn held no whole number) -> (the answer's text, whether the game is over,
         the turn's counts). Uses up one of the budget's guesses."""
@@ -111,4 +115,4 @@ class GuessNumberEnvironment:
         return EnvStep(observations=[{"role": "user", "content": text}], done=done, counts=counts)
 
     def episode_reward(self) -> float | None:
-        return 1.0 if self.game.solved else 0.0
+        return self.game.reward()

@@ -53,7 +53,7 @@ class GuessNumberGame:
         return text
 
     def get_reward(self) -> float:
-        return 1.0 if self.game.solved else 0.0
+        return self.game.reward()
 
 
 def _whole(value: Any) -> int | None:
